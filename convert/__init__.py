@@ -1,0 +1,1 @@
+"""Checkpoint conversion: Hugging Face safetensors and GGUF to and from linjax models."""

@@ -1,0 +1,1 @@
+"""Evaluation: lm-eval bridge, approximation error, diagnostics, long context."""

@@ -1,0 +1,1 @@
+"""Linear-attention kernels: pure JAX functions (reference, chunked, step, pallas)."""

@@ -1,0 +1,1 @@
+"""Attention mixers: softmax and its linear replacements."""

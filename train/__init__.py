@@ -1,0 +1,1 @@
+"""Training the new parameters of a linearized model."""
