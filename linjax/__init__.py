@@ -1,1 +1,29 @@
-"""linjax."""
+"""linjax: turn pretrained LLaMA/Qwen transformers into linear-time models, in JAX.
+
+Public API:
+    model, tokenizer = linjax.load("smollm2-135m")     # or an HF id / directory / .gguf / checkpoint
+    logits = model(tokens)                              # int32 [batch, time] → [batch, time, vocab]
+    linjax.save_hf(model, "out/")                       # back to a transformers directory
+"""
+
+from linjax.config import ModelConfig
+from linjax.model import CausalLM
+
+__version__ = "0.1.0"
+
+
+def load(source, dtype="float32"):
+    """(model, tokenizer) from `"smollm2-135m"`, a `.gguf` file, an HF directory or hub id, or a linjax checkpoint."""
+    from linjax.convert.sources import load as _load
+
+    return _load(source, dtype)
+
+
+def save_hf(model, directory, tokenizer=None):
+    """Writes `config.json` + `model.safetensors` (+ tokenizer) that `transformers` loads."""
+    from linjax.convert.hf import save_hf as _save_hf
+
+    return _save_hf(model, directory, tokenizer)
+
+
+__all__ = ["CausalLM", "ModelConfig", "load", "save_hf", "__version__"]

@@ -1,0 +1,81 @@
+"""linjax's own checkpoint format: a directory with `linjax.json`, orbax parameters and a tokenizer.
+
+`linjax.json` records what is needed to rebuild the model's structure (the HF
+config and the parameter dtype); the parameters are restored by orbax into an
+abstract model built with `nnx.eval_shape`, so restoring allocates each array
+once. Orbax writes into a temporary directory and renames it when complete, so
+an interrupted save leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.config import ModelConfig
+from linjax.model import CausalLM
+
+MANIFEST = "linjax.json"
+FORMAT_VERSION = 1
+
+
+def is_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    params_dir = os.path.join(directory, "params")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(params_dir, nnx.state(model), force=True)
+    checkpointer.wait_until_finished()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
+    manifest = {"format_version": FORMAT_VERSION, "dtype": str(model.dtype),
+                "model_config": model.config.to_hf()}
+    tmp = os.path.join(directory, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, os.path.join(directory, MANIFEST))  # the manifest last: it marks the checkpoint complete
+    return directory
+
+
+def load_checkpoint(directory: str, dtype=None):
+    """(model, tokenizer or None) from a directory written by `save_checkpoint`."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    with open(os.path.join(directory, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{directory}: checkpoint format {manifest.get('format_version')} "
+                         f"is not {FORMAT_VERSION}; it was written by another linjax version")
+    config = ModelConfig.from_hf(manifest["model_config"])
+    saved_dtype = jnp.dtype(manifest["dtype"])
+    abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=saved_dtype, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    state = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract_state)
+    model = nnx.merge(graphdef, state)
+    if dtype is not None and jnp.dtype(dtype) != saved_dtype:
+        model = cast_model(model, dtype)
+    tokenizer = None
+    if os.path.isdir(os.path.join(directory, "tokenizer")):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+    return model, tokenizer
+
+
+def cast_model(model: CausalLM, dtype) -> CausalLM:
+    """The same model with parameters and compute in `dtype`."""
+    dtype = jnp.dtype(dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(model.config, dtype=dtype, rngs=nnx.Rngs(0))))
+    values = nnx.to_pure_dict(nnx.state(model))
+    import jax
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dtype), values))
+    return nnx.merge(graphdef, state)

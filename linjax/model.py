@@ -1,0 +1,99 @@
+"""LLaMA / Qwen decoder in Flax NNX.
+
+What it does differently from the Hugging Face modules it mirrors:
+- one class covers Llama 2/3/3.1/3.2, SmolLM2, Qwen2 (q/k/v bias) and Qwen3
+  (per-head q/k RMSNorm); the differences are `ModelConfig` fields;
+- each block's attention is a *mixer* (`block.attn`), which linearization
+  swaps for a linear mechanism while keeping the pretrained projections;
+- decoding state is a per-layer list of pytrees (KV caches here), passed in
+  and returned explicitly instead of living inside the module.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.config import ModelConfig
+from linjax.layers import MLP, RMSNorm
+from linjax.mixers.softmax import SoftmaxAttention
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.attn = SoftmaxAttention(config, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, state=None):
+        h = self.input_layernorm(x)
+        if state is None:
+            x = x + self.attn(h, positions)
+        else:
+            attn_out, state = self.attn(h, positions, state)
+            x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x if state is None else (x, state)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only language model: tokens [B,T] int32 → logits [B,T,vocab]."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderBlock(config, dtype=dtype, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False,
+                                      dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def init_states(self, batch: int, max_length: int) -> list:
+        """Empty decoding state for every layer (a KV cache for softmax layers)."""
+        return [block.attn.init_state(batch, max_length, self.dtype) for block in self.layers]
+
+    def hidden_states(self, tokens, positions=None, states=None):
+        """The final-norm hidden states [B,T,d] (and new states when `states` is given)."""
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"expected int tokens [batch, time], got {tokens.dtype} {tokens.shape}")
+        b, t = tokens.shape
+        if positions is None:
+            offset = 0 if states is None else _cache_length(states)
+            positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.embed_tokens(tokens)
+        new_states = None if states is None else []
+        for i, block in enumerate(self.layers):
+            if states is None:
+                x = block(x, positions)
+            else:
+                x, layer_state = block(x, positions, states[i])
+                new_states.append(layer_state)
+        x = self.norm(x)
+        return x if states is None else (x, new_states)
+
+    def logits(self, x):
+        return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+
+    def __call__(self, tokens, positions=None, states=None):
+        if states is None:
+            return self.logits(self.hidden_states(tokens, positions))
+        x, new_states = self.hidden_states(tokens, positions, states)
+        return self.logits(x), new_states
+
+
+def _cache_length(states):
+    """Tokens already consumed, read from the first layer state that counts them."""
+    for state in states:
+        if hasattr(state, "length"):
+            return state.length
+    raise ValueError("decoding states carry no `length`; pass `positions` explicitly")
