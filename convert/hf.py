@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from linjax.config import ModelConfig
-from linjax.model import CausalLM
+from linjax.model import CausalLM, abstract_model
 
 Path = tuple  # a parameter path inside the model, e.g. ("layers", 0, "attn", "proj", "q_proj", "kernel")
 
@@ -47,11 +47,6 @@ def name_table(config: ModelConfig) -> dict[str, tuple[Path, bool]]:
         table[f"{hf}input_layernorm.weight"] = (ours + ("input_layernorm", "weight"), False)
         table[f"{hf}post_attention_layernorm.weight"] = (ours + ("post_attention_layernorm", "weight"), False)
     return table
-
-
-def abstract_model(config: ModelConfig, dtype=jnp.float32) -> CausalLM:
-    """The model's structure with shape-only parameters: costs no memory."""
-    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 def _get(tree: dict, path: Path):
@@ -160,6 +155,10 @@ def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
     if not isinstance(model, CausalLM):
         raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
     directory = os.path.abspath(directory)
+    if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
+            os.path.join(directory, "config.json")):
+        raise FileExistsError(f"{directory} exists and does not look like a model export; "
+                              "choose an empty or new directory")
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".linjax-export-", dir=parent)

@@ -7,7 +7,7 @@ Public API:
 """
 
 from linjax.config import ModelConfig
-from linjax.model import CausalLM
+from linjax.model import CausalLM, abstract_model, parameter_count
 
 __version__ = "0.1.0"
 
@@ -26,4 +26,4 @@ def save_hf(model, directory, tokenizer=None):
     return _save_hf(model, directory, tokenizer)
 
 
-__all__ = ["CausalLM", "ModelConfig", "load", "save_hf", "__version__"]
+__all__ = ["CausalLM", "ModelConfig", "abstract_model", "parameter_count", "load", "save_hf", "__version__"]

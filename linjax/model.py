@@ -97,3 +97,15 @@ def _cache_length(states):
         if hasattr(state, "length"):
             return state.length
     raise ValueError("decoding states carry no `length`; pass `positions` explicitly")
+
+
+def abstract_model(hf_config, dtype=jnp.float32) -> CausalLM:
+    """The model for an HF config (dict, `transformers` config, config.json path or
+    `ModelConfig`), built under `nnx.eval_shape`: shapes only, no memory cost."""
+    config = hf_config if isinstance(hf_config, ModelConfig) else ModelConfig.from_hf(hf_config)
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def parameter_count(model: nnx.Module) -> int:
+    """Number of parameter scalars (works on abstract models too)."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

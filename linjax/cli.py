@@ -1,0 +1,107 @@
+"""The `linjax` command.
+
+    linjax convert SOURCE --out DIR [--format hf|linjax|both] [--dtype bfloat16]
+    linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
+
+SOURCE is anything `linjax.load` accepts: `smollm2-135m` (the embedded
+default), a `.gguf` file, an HF model directory or hub id, or a linjax
+checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _convert(args):
+    import linjax
+    from linjax.convert.checkpoint import save_checkpoint
+
+    start = time.perf_counter()
+    model, tokenizer = linjax.load(args.source, dtype=args.dtype)
+    out = os.path.abspath(args.out)
+    written = []
+    if args.format in ("hf", "both"):
+        linjax.save_hf(model, out, tokenizer)
+        written.append(f"HF directory (config.json, model.safetensors{', tokenizer' if tokenizer else ''})")
+    if args.format in ("linjax", "both"):
+        # Next to the HF files when both are asked for: `linjax.load(DIR)` prefers the linjax checkpoint.
+        save_checkpoint(model, out, tokenizer)
+        written.append("linjax checkpoint (linjax.json, params/)")
+    n_params = linjax.parameter_count(model)
+    print(f"converted {args.source} ({model.config.architecture}, {n_params / 1e6:.1f}M parameters, "
+          f"{model.dtype}) → {out}: {' + '.join(written)} in {time.perf_counter() - start:.1f}s")
+
+
+def _generate(args):
+    import jax.numpy as jnp
+
+    import linjax
+    from linjax.generate import generate
+
+    model, tokenizer = linjax.load(args.source, dtype=args.dtype)
+    if tokenizer is None:
+        sys.exit(f"error: {args.source} has no tokenizer files; save one next to the weights")
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        sys.exit("error: the prompt is empty after tokenization")
+    eos = model.config.eos_token_id if args.stop_at_eos else None
+    eos = eos[0] if isinstance(eos, tuple) else eos
+    print(prompt, end="", flush=True)
+    produced = []
+
+    def show(token):
+        produced.append(int(token[0]))
+        # Decode the whole continuation each time so multi-token characters print correctly.
+        text = tokenizer.decode(produced, skip_special_tokens=True)
+        previous = tokenizer.decode(produced[:-1], skip_special_tokens=True)
+        print(text[len(previous):], end="", flush=True)
+
+    start = time.perf_counter()
+    generate(model, jnp.asarray([ids], jnp.int32), args.max_new_tokens, temperature=args.temperature,
+             seed=args.seed, eos_token_id=eos, on_token=show)
+    elapsed = time.perf_counter() - start
+    print(f"\n[{len(produced)} tokens in {elapsed:.1f}s, prompt {len(ids)} tokens]", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="linjax", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a model to an HF directory and/or a linjax checkpoint")
+    p.add_argument("source")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=["hf", "linjax", "both"], default="both")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")
+    p.add_argument("source")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

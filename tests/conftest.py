@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random Hugging Face models saved to disk, the data folder."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data_dir() -> str | None:
+    """`$LINJAX_DATA_DIR`, else ../shared/data beside the project, else None."""
+    path = os.environ.get("LINJAX_DATA_DIR") or os.path.join(ROOT, "..", "shared", "data")
+    return path if os.path.isdir(path) else None
+
+
+@pytest.fixture
+def shared_data():
+    path = data_dir()
+    if path is None:
+        pytest.skip("shared data folder absent (set LINJAX_DATA_DIR or put ../shared/data beside the project)")
+    return path
+
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rms_norm_eps=1e-5, initializer_range=0.1)
+
+
+def hf_config(model_type: str = "llama", **overrides):
+    """A tiny transformers config (3 layers, hidden 64)."""
+    from transformers import AutoConfig
+
+    fields = {**TINY, **overrides}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def save_random_hf_model(config, directory: str, seed: int = 0):
+    """A randomly initialised transformers model with perturbed norm weights, saved as safetensors.
+
+    Norm weights start at one in HF; randomising them makes a wrong norm mapping visible.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(np.asarray(tokens, np.int64))).logits.float().numpy()
