@@ -1,0 +1,290 @@
+"""Pallas (Triton backend) forward kernel for chunked GLA, and the pieces the
+other Pallas kernels share.
+
+GLA: S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,  o_t = scale · S_tᵀ q_t.
+
+One program per (batch, query head, block of Dv columns): the columns of S
+evolve independently, so splitting Dv only repeats the cheap [C, C] work and
+keeps the fp32 state [Dk, BV] small enough for registers. The program loops
+over 64-token chunks with `lax.fori_loop`, carrying the state. Inside a
+chunk, with G the chunk-local inclusive cumsum of log α (computed by the
+wrapper, fp32) and Γ = exp(G):
+
+    o_C   = scale · [(Q ⊙ Γ) S_0 + (A ⊙ M) V],  A_ij = Σ_d q_id k_jd exp(G_id − G_jd)
+    S_C   = Diag(Γ_last) S_0 + (K ⊙ exp(G_last − G))ᵀ V
+
+The per-channel decay makes A a [C, C, Dk] contraction, so the chunk is cut
+into 16-token sub-chunks. An off-diagonal block (I > J) factorises around
+r = G at the last token before sub-chunk I, so that both factors
+exp(G_i − r) and exp(r − G_j) are ≤ 1 (no overflow; an underflow only
+happens where the true product is smaller still). A diagonal block is built
+one column at a time, masking before the exp. This is the layout of FLA's
+`fla/ops/gla/chunk.py`, written from the equations.
+
+The wrapper pads T to a multiple of the chunk (zero keys, log α = 0: the
+padded tail leaves the state unchanged) and Dk, Dv to powers of two ≥ 16
+(Triton needs power-of-two tiles and matmul sides ≥ 16); zero channels
+contribute nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SUB = 16  # sub-chunk length for the per-channel intra-chunk decay
+MAX_BLOCK_V = 64  # Dv columns per program
+
+
+# ---------------------------------------------------------------- wrapper side
+
+
+def check_inputs(q, k, v, gate, gate_name: str, initial_state, chunk: int):
+    """Raise a readable error for anything outside the kernel contract."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k, v must be [batch, time, heads, dim]; got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}")
+    B, T, H, Dk = q.shape
+    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != Dk:
+        raise ValueError(
+            f"k must be [B, T, Hkv, Dk] = [{B}, {T}, Hkv, {Dk}] and v "
+            f"[B, T, Hkv, Dv]; got k {k.shape}, v {v.shape}")
+    if H % k.shape[2]:
+        raise ValueError(
+            f"query heads ({H}) must be a multiple of key/value heads ({k.shape[2]})")
+    if gate is not None and gate.shape != (B, T, H, Dk):
+        raise ValueError(
+            f"{gate_name} must be [B, T, H, Dk] = {(B, T, H, Dk)}; got {gate.shape}")
+    if initial_state is not None and initial_state.shape != (B, H, Dk, v.shape[3]):
+        raise ValueError(
+            f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, v.shape[3])}; "
+            f"got {initial_state.shape}")
+    if chunk <= 0 or chunk % SUB:
+        raise ValueError(f"chunk must be a positive multiple of {SUB}; got {chunk}")
+    if T == 0:
+        raise ValueError("sequence length T must be at least 1")
+
+
+def tile_size(n: int) -> int:
+    """Smallest power of two ≥ max(n, 16): Triton tiles are powers of two and
+    its matmuls need sides ≥ 16."""
+    return max(16, pl.next_power_of_2(n))
+
+
+def pad_axis(x, axis: int, size: int, value=0.0):
+    """Pad `x` with `value` at the end of `axis` up to `size`."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def chunk_local_cumsum(log_alpha, chunk: int):
+    """Inclusive cumsum of the log gates within each chunk, fp32 ([B, T, H, Dk],
+    T a multiple of `chunk`). Restarting at every chunk keeps the exponents of
+    the intra-chunk decays small."""
+    B, T, H, D = log_alpha.shape
+    g = log_alpha.astype(jnp.float32).reshape(B, T // chunk, chunk, H, D)
+    return jnp.cumsum(g, axis=2).reshape(B, T, H, D)
+
+
+def head_specs(Tp: int, Dk: int, BV: int, group: int):
+    """BlockSpecs on grid (batch, head, Dv block) for the [B, T, H, D] layout.
+
+    Query-head tensors use head h; k and v use kv head h // group (GQA without
+    repeating k and v in memory)."""
+    sq = pl.squeezed
+    return dict(
+        q=pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, j: (b, 0, h, 0)),
+        k=pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, j: (b, 0, h // group, 0)),
+        v=pl.BlockSpec((sq, Tp, sq, BV), lambda b, h, j: (b, 0, h // group, j)),
+        o=pl.BlockSpec((sq, Tp, sq, BV), lambda b, h, j: (b, 0, h, j)),
+        gate=pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, j: (b, 0, h, 0)),
+        per_head=pl.BlockSpec((sq, Tp, sq), lambda b, h, j: (b, 0, h)),
+        state=pl.BlockSpec((sq, sq, Dk, BV), lambda b, h, j: (b, h, 0, j)),
+    )
+
+
+def triton_params():
+    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+
+# ------------------------------------------------------------ in-kernel pieces
+
+
+def load_rows(ref, start, n: int):
+    """Rows [start, start + n) of a [T, D] (or [T]) ref, as fp32."""
+    return ref[pl.ds(start, n)].astype(jnp.float32)
+
+
+def boundary_gate(g_ref, base, sub_index: int):
+    """The cumsum just before sub-chunk `sub_index` of the chunk at `base`
+    ([Dk]; zeros for the first sub-chunk, since G restarts every chunk)."""
+    if sub_index == 0:
+        return jnp.zeros(g_ref.shape[-1:], jnp.float32)
+    return g_ref[base + sub_index * SUB - 1].astype(jnp.float32)
+
+
+def matmul(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def matmul_t(a, b):
+    """a @ bᵀ."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def t_matmul(a, b):
+    """aᵀ @ b."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def offdiag_gram(x_i, g_i, y_j, g_j, r):
+    """Block (I > J) of Σ_d x_id y_jd exp(g_id − g_jd), factorised around the
+    cumsum r at the end of sub-chunk I − 1 so that both factors are ≤ 1."""
+    r = r[None, :]
+    return matmul_t(x_i * jnp.exp(g_i - r), y_j * jnp.exp(r - g_j))
+
+
+def diag_gram(x, g, y_ref, g_ref, start, *, strict: bool):
+    """Diagonal block: A_ij = Σ_d x_id y_jd exp(g_id − g_jd) for j ≤ i (j < i
+    if strict), else 0. Built column by column (row j of y and g read from
+    their refs), masking before the exp so no exp of a positive number is
+    ever taken."""
+    n = x.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def column(j, a):
+        y_j = y_ref[start + j].astype(jnp.float32)[None, :]
+        g_j = g_ref[start + j].astype(jnp.float32)[None, :]
+        keep = rows > j if strict else rows >= j
+        decay = jnp.where(keep, jnp.exp(jnp.where(keep, g - g_j, 0.0)), 0.0)
+        col = jnp.sum(x * y_j * decay, axis=1)
+        return jnp.where(cols == j, col[:, None], a)
+
+    return lax.fori_loop(0, n, column, jnp.zeros((n, n), jnp.float32))
+
+
+# --------------------------------------------------------------------- kernel
+
+
+def _gla_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *,
+                chunk: int, scale: float):
+    n_sub = chunk // SUB
+    n_chunks = q_ref.shape[0] // chunk
+
+    def one_chunk(c, state):  # state: [Dk, BV] fp32, S after chunk c − 1
+        base = c * chunk
+        starts = [base + i * SUB for i in range(n_sub)]
+        q = [load_rows(q_ref, s, SUB) for s in starts]
+        k = [load_rows(k_ref, s, SUB) for s in starts]
+        v = [load_rows(v_ref, s, SUB) for s in starts]
+        g = [load_rows(g_ref, s, SUB) for s in starts]
+        r = [boundary_gate(g_ref, base, i) for i in range(n_sub)]
+        g_last = g_ref[base + chunk - 1].astype(jnp.float32)
+
+        for i in range(n_sub):
+            acc = matmul(q[i] * jnp.exp(g[i]), state)
+            for j in range(i):
+                acc += matmul(offdiag_gram(q[i], g[i], k[j], g[j], r[i]), v[j])
+            acc += matmul(diag_gram(q[i], g[i], k_ref, g_ref, starts[i],
+                                    strict=False), v[i])
+            o_ref[pl.ds(starts[i], SUB)] = (scale * acc).astype(o_ref.dtype)
+
+        state = jnp.exp(g_last)[:, None] * state
+        for j in range(n_sub):
+            state += t_matmul(k[j] * jnp.exp(g_last[None, :] - g[j]), v[j])
+        return state
+
+    state = lax.fori_loop(0, n_chunks, one_chunk, h0_ref[...].astype(jnp.float32))
+    ht_ref[...] = state
+
+
+def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64,
+            interpret=False):
+    """Chunked GLA forward as one Pallas call (Triton on GPU).
+
+    q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk] (log
+    decay, ≤ 0), initial_state [B,H,Dk,Dv] fp32 or None. Returns
+    (o [B,T,H,Dv] in q's dtype, final_state [B,H,Dk,Dv] fp32). Forward only:
+    see `with_chunked_backward` for gradients.
+    """
+    check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
+    B, T, H, Dk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    Tp = -(-T // chunk) * chunk
+    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
+    BV = min(Dvp, MAX_BLOCK_V)
+
+    def prep(x, d):
+        return pad_axis(pad_axis(x, 1, Tp), 3, d)
+
+    g = chunk_local_cumsum(prep(log_alpha, Dkp), chunk)
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, Dkp, Dvp), jnp.float32)
+    else:
+        h0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, Dkp), 3, Dvp)
+
+    specs = head_specs(Tp, Dkp, BV, H // Hkv)
+    o, ht = pl.pallas_call(
+        functools.partial(_gla_kernel, chunk=chunk, scale=scale),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dvp), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, Dkp, Dvp), jnp.float32)),
+        grid=(B, H, Dvp // BV),
+        in_specs=[specs["q"], specs["k"], specs["v"], specs["gate"], specs["state"]],
+        out_specs=(specs["o"], specs["state"]),
+        compiler_params=triton_params(),
+        interpret=interpret,
+        name="linjax_gla_chunked_fwd",
+    )(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), g, h0)
+    return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
+
+
+# ------------------------------------------------------------ differentiation
+
+
+def with_chunked_backward(kernel_forward, chunked_forward, arrays, initial_state):
+    """Run `kernel_forward(*arrays, initial_state=...)` with a `jax.custom_vjp`
+    whose backward is the VJP of `chunked_forward` (same arguments, same
+    result).
+
+    The Pallas kernel is forward only; the backward recomputes the forward
+    through the pure-JAX chunked implementation and differentiates that. This
+    is exact (both compute the same function) but not fast: a fused backward
+    kernel is future work. Static options must already be bound (e.g. with
+    functools.partial).
+    """
+
+    @jax.custom_vjp
+    def run(arrays, h0):
+        return kernel_forward(*arrays, initial_state=h0)
+
+    def run_fwd(arrays, h0):
+        return run(arrays, h0), (arrays, h0)
+
+    def run_bwd(residuals, cotangents):
+        _, vjp = jax.vjp(
+            lambda a, h: chunked_forward(*a, initial_state=h), *residuals)
+        return vjp(cotangents)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(tuple(arrays), initial_state)
+
+
+def default_interpret(interpret):
+    """None → interpret on CPU (where no Triton GPU exists), compile otherwise."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
