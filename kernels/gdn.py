@@ -1,0 +1,231 @@
+"""Gated delta rule (the paper's "GDN", Kimi Delta Attention form), pure JAX.
+
+Per query head, with keys/values repeated to the query heads (HF `repeat_kv`):
+
+    S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ        S ∈ R^{Dk×Dv}
+    o_t = scale · S_tᵀ q_t                                          (S_t includes token t)
+
+`log_alpha` is log α_t, either per channel [B,T,H,Dk] (Kimi / the paper's GDN) or one
+scalar per head [B,T,H] (the original GDN); the rank tells which. Gates are expected to
+be ≤ 0 (e.g. LogSigmoid); −inf-like values such as −1000 are a hard reset. q and k are
+used as given: the caller L2-normalises them.
+
+Functions (ARCHITECTURE.md, "Kernel contract"):
+    reference  fp32 `lax.scan` over tokens: the spec.
+    chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
+    step       one decode token.
+All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+
+__all__ = ["reference", "chunked", "step"]
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _check(q, k, v, log_alpha, beta, state, *, per_token: bool):
+    """Validate shapes; return (H // Hkv, per_channel). `per_token`: shapes lack the T axis."""
+    rank = 3 if per_token else 4
+    where = "[B,H,D]" if per_token else "[B,T,H,D]"
+    if q.ndim != rank or k.ndim != rank or v.ndim != rank:
+        raise ValueError(f"q, k, v must be {where} (rank {rank}); "
+                         f"got q{q.shape}, k{k.shape}, v{v.shape}")
+    if k.shape[:-2] != q.shape[:-2] or v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"batch/time/kv-head axes disagree: q{q.shape}, k{k.shape}, v{v.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k need the same Dk; got q{q.shape}, k{k.shape}")
+    H, Hkv = q.shape[-2], k.shape[-2]
+    if H % Hkv:
+        raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv}")
+    heads = q.shape[:-1]
+    if log_alpha.shape == q.shape:
+        per_channel = True
+    elif log_alpha.shape == heads:
+        per_channel = False
+    else:
+        raise ValueError(f"log_alpha must be {q.shape} (per channel) or {heads} (scalar per "
+                         f"head); got {log_alpha.shape}")
+    if beta.shape != heads:
+        raise ValueError(f"beta must be {heads}; got {beta.shape}")
+    want = (q.shape[0], H, q.shape[-1], v.shape[-1])
+    if state is not None and state.shape != want:
+        raise ValueError(f"state must be [B,H,Dk,Dv] = {want}; got {state.shape}")
+    return H // Hkv, per_channel
+
+
+def _prepare(q, k, v, log_alpha, beta, state, scale, *, per_token=False):
+    """Checked fp32 inputs with k, v repeated to the query heads and a trailing gate axis
+    (Dk, or 1 for a scalar gate, which then broadcasts over Dk everywhere)."""
+    group, per_channel = _check(q, k, v, log_alpha, beta, state, per_token=per_token)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    head_axis = q.ndim - 2
+    k = jnp.repeat(f32(k), group, axis=head_axis)  # query head h reads kv head h // group
+    v = jnp.repeat(f32(v), group, axis=head_axis)
+    la = f32(log_alpha) if per_channel else f32(log_alpha)[..., None]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if state is None:
+        state = jnp.zeros((q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]), jnp.float32)
+    return f32(q), k, v, la, f32(beta), f32(state), scale
+
+
+# ---------------------------------------------------------------------- recurrent form
+
+
+def _update(S, q, k, v, la, beta, scale):
+    """One token of the recurrence, all [B,H,...] fp32. Written as
+    S' = Diag(α)S + β k (v − kᵀ Diag(α)S)ᵀ, which equals (I − βkkᵀ)Diag(α)S + βkvᵀ."""
+    S = S * jnp.exp(la)[..., None]                                   # Diag(α_t) S_{t-1}
+    err = v - jnp.einsum("bhk,bhkv->bhv", k, S)                      # v_t − kᵀ Diag(α) S
+    S = S + jnp.einsum("bhk,bhv->bhkv", k, beta[..., None] * err)
+    return S, scale * jnp.einsum("bhk,bhkv->bhv", q, S)
+
+
+def step(q, k, v, log_alpha, beta, *, state, scale=None):
+    """One decode token. q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], log_alpha [B,H,Dk] or
+    [B,H], beta [B,H], state [B,H,Dk,Dv] fp32 (or None for zeros).
+    Returns (o [B,H,Dv] in v's dtype, new_state [B,H,Dk,Dv] fp32)."""
+    q32, k32, v32, la, b, S, scale = _prepare(q, k, v, log_alpha, beta, state, scale,
+                                              per_token=True)
+    S, o = _update(S, q32, k32, v32, la, b, scale)
+    return o.astype(v.dtype), S
+
+
+def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
+    """The spec: the recurrence token by token in fp32 with `lax.scan`.
+    q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk] or [B,T,H],
+    beta [B,T,H], initial_state [B,H,Dk,Dv] or None.
+    Returns (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32)."""
+    q32, k32, v32, la, b, S, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
+    time_first = lambda x: jnp.moveaxis(x, 1, 0)
+    xs = tuple(map(time_first, (q32, k32, v32, la, b)))
+    S, o = jax.lax.scan(lambda S, x: _update(S, *x, scale), S, xs)
+    return time_first(o).astype(v.dtype), S
+
+
+# -------------------------------------------------------------------- chunk-parallel form
+#
+# Inside a chunk of C tokens with state S_0 on entry, write Γ_i = exp(G_i), G_i = Σ_{t≤i} log α_t
+# (per channel) and S_i = Diag(α_i) S_{i-1} + k_i u_iᵀ with the "new value"
+# u_i = β_i (v_i − k_iᵀ Diag(α_i) S_{i-1}). Unrolling S_{i-1} gives, for all i at once,
+#
+#     u_i + β_i Σ_{j<i} A_ij u_j = β_i (v_i − (k_i ⊙ Γ_i)ᵀ S_0),   A_ij = Σ_d k_id k_jd e^{G_id − G_jd}
+#
+# a unit lower-triangular system (I + Diag(β) tril₋₁(A)) U = Diag(β)(V − (K⊙Γ) S_0). Its solution
+# is U = Ũ − W S_0 with Ũ = T⁻¹Diag(β)V and W = T⁻¹Diag(β)(K⊙Γ) (the WY / UT transform), which
+# need no state and are computed for every chunk in parallel. The scan over chunks is then
+#     U = Ũ − W S_0,   S_C = Diag(Γ_C) S_0 + (K ⊙ e^{G_C − G})ᵀ U,
+# and outputs are o = scale·[(Q⊙Γ) S_0 + tril(A^{qk}) U], A^{qk}_ij = Σ_d q_id k_jd e^{G_id − G_jd}.
+#
+# Decays are never formed as e^{−G}: every exponent is a segment sum Σ_{t∈(a,b]} log α_t ≤ 0,
+# computed directly by a 0/1 matrix product (not as a difference of two cumulative sums, which
+# loses the small exponents next to a −1000 reset). The [C,C,Dk] decay of A is never built either:
+# A's lower triangle is split recursively into halves, and the off-diagonal block of each pair of
+# halves factors exactly through the boundary m between them,
+#     e^{G_i − G_j} = e^{G_i − G_m} · e^{G_m − G_j},   i > m ≥ j,   both factors ≤ 1,
+# so each of the log2(C) levels costs one exp per element of q/k plus small matmuls.
+
+
+def _segment_matrices(C: int) -> np.ndarray:
+    """0/1 matrices M [L+2, C, C] such that (M[l] @ log α)[p] is the exponent at position p:
+    for the tree levels (half size h = 1, 2, ..., C/2) the sum between p and its block's
+    boundary m, then Σ_{t≤p} (decay from the chunk start) and Σ_{t>p} (decay to the chunk end)."""
+    levels = []
+    p = np.arange(C)
+    t = np.arange(C)
+    h = 1
+    while h < C:
+        m = (p // (2 * h)) * 2 * h + h - 1                      # last position of the lower half
+        upper = (p % (2 * h)) >= h
+        into = upper[:, None] & (t > m[:, None]) & (t <= p[:, None])      # Σ_{t∈(m,p]}
+        out_of = ~upper[:, None] & (t > p[:, None]) & (t <= m[:, None])   # Σ_{t∈(p,m]}
+        levels.append(into | out_of)
+        h *= 2
+    levels.append(t[None, :] <= p[:, None])
+    levels.append(t[None, :] > p[:, None])
+    return np.stack(levels).astype(np.float32)
+
+
+def _merge(prev, cross):
+    """Blocks [..., 2n, h, h] (diagonal) and [..., n, h, h] (lower-left) -> [..., n, 2h, 2h]."""
+    n, h = cross.shape[-3], cross.shape[-1]
+    prev = prev.reshape(*prev.shape[:-3], n, 2, h, h)
+    zero = jnp.zeros_like(cross)
+    top = jnp.concatenate([prev[..., 0, :, :], zero], axis=-1)
+    bottom = jnp.concatenate([cross, prev[..., 1, :, :]], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
+
+
+def _intra_chunk(q, k, factors):
+    """A^{qk} = tril(Q Kᵀ ⊙ decay) and A^{kk} = tril₋₁(K Kᵀ ⊙ decay), [..., C, C], from the
+    level factors [..., L, C, Dg] = exp(segment sums): the recursive halving described above."""
+    a_qk = jnp.sum(q * k, axis=-1)[..., None, None]          # [..., C, 1, 1]: decay 1 on the diagonal
+    a_kk = jnp.zeros_like(a_qk)
+    C = q.shape[-2]
+    for level in range(factors.shape[-3]):
+        h = 2 ** level
+        f = factors[..., level, :, :]
+        split = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
+        qf, kf = split(q * f), split(k * f)
+        lower = kf[..., 0, :, :]                               # e^{G_m − G_j} k_j
+        a_qk = _merge(a_qk, jnp.einsum("...nid,...njd->...nij", qf[..., 1, :, :], lower))
+        a_kk = _merge(a_kk, jnp.einsum("...nid,...njd->...nij", kf[..., 1, :, :], lower))
+    return a_qk[..., 0, :, :], a_kk[..., 0, :, :]
+
+
+def _chunk_size(chunk: int, T: int) -> int:
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two; got {chunk}")
+    return min(chunk, 1 << max(T - 1, 0).bit_length())      # short inputs: smallest fitting chunk
+
+
+def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64):
+    """Chunk-parallel gated delta rule; same arguments and results as `reference`.
+    `chunk` (a power of two) is the block length; any T works (padded inside with β = 0,
+    log α = 0, which leaves the state unchanged). Memory is linear in T."""
+    q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
+    B, T, H, Dk = q.shape
+    C = _chunk_size(chunk, T)
+    N = -(-T // C)
+
+    def blocks(x):  # [B,T,H,...] -> [B,H,N,C,...], zero-padded in time
+        x = jnp.pad(x, [(0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q32, k32, v32, la, beta32 = map(blocks, (q32, k32, v32, la, beta32))
+    M = jnp.asarray(_segment_matrices(C))
+    factors = jnp.exp(jnp.einsum("lct,bhntg->bhnlcg", M, la))  # [B,H,N,L+2,C,Dg], all ≤ 1
+    tree, from_start, to_end = factors[..., :-2, :, :], factors[..., -2, :, :], factors[..., -1, :, :]
+
+    a_qk, a_kk = _intra_chunk(q32, k32, tree)
+    system = jnp.eye(C, dtype=jnp.float32) + beta32[..., None] * a_kk   # I + Diag(β) tril₋₁(A)
+    rhs = beta32[..., None] * jnp.concatenate([k32 * from_start, v32], axis=-1)
+    wu = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    w, u_tilde = wu[..., :Dk], wu[..., Dk:]                # W [..,C,Dk], Ũ [..,C,Dv]
+    k_out = k32 * to_end                                   # k_j ⊙ e^{G_C − G_j}
+    decay = from_start[..., -1, :]                         # Γ_C [B,H,N,Dg]
+
+    def chunk_step(S, x):
+        w, u_tilde, k_out, decay = x
+        u = u_tilde - jnp.einsum("bhck,bhkv->bhcv", w, S)
+        S_next = decay[..., None] * S + jnp.einsum("bhck,bhcv->bhkv", k_out, u)
+        return S_next, (S, u)
+
+    along_n = lambda x: jnp.moveaxis(x, 2, 0)
+    S_final, (S_start, u) = jax.lax.scan(chunk_step, S0, tuple(map(along_n, (w, u_tilde, k_out, decay))))
+    S_start, u = jnp.moveaxis(S_start, 0, 2), jnp.moveaxis(u, 0, 2)
+
+    o = (jnp.einsum("bhnck,bhnkv->bhncv", q32 * from_start, S_start)
+         + jnp.einsum("bhnij,bhnjv->bhniv", a_qk, u)) * scale
+    o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, -1)[:, :T]
+    return o.astype(v.dtype), S_final
