@@ -1,0 +1,145 @@
+"""Pallas (Triton backend) forward kernel for the chunked gated delta rule,
+Kimi form with a per-channel gate:
+
+    S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t.
+
+Writing S_t = Diag(α_t) S_{t-1} + k_t u_tᵀ with u_t = β_t (v_t − (Diag(α_t)
+S_{t-1})ᵀ k_t), and with G the chunk-local cumsum of log α (Γ = exp(G)), the
+u's of one chunk solve a unit lower-triangular system
+
+    (I + A) U = Diag(β) (V − (K ⊙ Γ) S_0),   A_ij = β_i Σ_d k_id k_jd exp(G_id − G_jd), j < i,
+
+and then
+
+    o   = scale · [(Q ⊙ Γ) S_0 + (B ⊙ M) U],   B_ij = Σ_d q_id k_jd exp(G_id − G_jd), j ≤ i,
+    S_C = Diag(Γ_last) S_0 + (K ⊙ exp(G_last − G))ᵀ U.
+
+A and B are built per 16-token sub-chunk with the factorisation described in
+`gla_pallas` (both factors ≤ 1). The system is solved by block forward
+substitution over sub-chunks; each 16 × 16 diagonal block is inverted by
+forward substitution, row by row, in fp32 (as FLA's `solve_tril` does, from
+the equations). Columns of S evolve independently, so programs split Dv.
+
+A scalar (per-head) gate is the per-channel gate broadcast over Dk: the
+public wrapper does that before calling `forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from linjax.kernels.gla_pallas import (
+    SUB, MAX_BLOCK_V, boundary_gate, check_inputs, chunk_local_cumsum,
+    diag_gram, head_specs, load_rows, matmul, offdiag_gram, pad_axis,
+    t_matmul, tile_size, triton_params)
+
+
+def unit_lower_inverse(a):
+    """(I + A)⁻¹ for a strictly lower-triangular [n, n] A, by forward
+    substitution: row i of X = (I + A)⁻¹ is e_i − Σ_{j<i} A_ij X_j."""
+    n = a.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    eye = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
+
+    def row(i, x):
+        # (δ_ij − A_ij) weights on the rows of x; rows ≥ i of x are still e_j.
+        w = jnp.sum(jnp.where(rows == i, eye - a, 0.0), axis=0)  # [n], row i
+        x_i = jnp.sum(w[:, None] * x, axis=0)
+        return jnp.where(rows == i, x_i[None, :], x)
+
+    return lax.fori_loop(1, n, row, eye)
+
+
+def _gdn_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, ht_ref, *,
+                chunk: int, scale: float):
+    n_sub = chunk // SUB
+    n_chunks = q_ref.shape[0] // chunk
+
+    def one_chunk(c, state):  # state: [Dk, BV] fp32, S after chunk c − 1
+        base = c * chunk
+        starts = [base + i * SUB for i in range(n_sub)]
+        q = [load_rows(q_ref, s, SUB) for s in starts]
+        k = [load_rows(k_ref, s, SUB) for s in starts]
+        v = [load_rows(v_ref, s, SUB) for s in starts]
+        g = [load_rows(g_ref, s, SUB) for s in starts]
+        beta = [load_rows(beta_ref, s, SUB)[:, None] for s in starts]
+        r = [boundary_gate(g_ref, base, i) for i in range(n_sub)]
+        g_last = g_ref[base + chunk - 1].astype(jnp.float32)
+
+        u = []
+        for i in range(n_sub):
+            # Right-hand side β (v − (k ⊙ Γ) S_0) minus the solved sub-chunks.
+            rhs = beta[i] * (v[i] - matmul(k[i] * jnp.exp(g[i]), state))
+            for j in range(i):
+                a_ij = beta[i] * offdiag_gram(k[i], g[i], k[j], g[j], r[i])
+                rhs -= matmul(a_ij, u[j])
+            a_ii = beta[i] * diag_gram(k[i], g[i], k_ref, g_ref, starts[i],
+                                       strict=True)
+            u.append(matmul(unit_lower_inverse(a_ii), rhs))
+
+            acc = matmul(q[i] * jnp.exp(g[i]), state)
+            for j in range(i):
+                acc += matmul(offdiag_gram(q[i], g[i], k[j], g[j], r[i]), u[j])
+            acc += matmul(diag_gram(q[i], g[i], k_ref, g_ref, starts[i],
+                                    strict=False), u[i])
+            o_ref[pl.ds(starts[i], SUB)] = (scale * acc).astype(o_ref.dtype)
+
+        state = jnp.exp(g_last)[:, None] * state
+        for j in range(n_sub):
+            state += t_matmul(k[j] * jnp.exp(g_last[None, :] - g[j]), u[j])
+        return state
+
+    state = lax.fori_loop(0, n_chunks, one_chunk, h0_ref[...].astype(jnp.float32))
+    ht_ref[...] = state
+
+
+def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
+            chunk=64, interpret=False):
+    """Chunked gated-delta-rule forward as one Pallas call (Triton on GPU).
+
+    q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk]
+    (per-channel log decay, ≤ 0), beta [B,T,H] in [0, 1], initial_state
+    [B,H,Dk,Dv] fp32 or None. Returns (o [B,T,H,Dv] in q's dtype,
+    final_state [B,H,Dk,Dv] fp32). Forward only.
+    """
+    check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
+    B, T, H, Dk = q.shape
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got {beta.shape}")
+    Hkv, Dv = k.shape[2], v.shape[3]
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    Tp = -(-T // chunk) * chunk
+    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
+    BV = min(Dvp, MAX_BLOCK_V)
+
+    def prep(x, d):
+        return pad_axis(pad_axis(x, 1, Tp), 3, d)
+
+    # β = 0 on padded steps makes them the identity on the state.
+    g = chunk_local_cumsum(prep(log_alpha, Dkp), chunk)
+    beta = pad_axis(beta.astype(jnp.float32), 1, Tp)
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, Dkp, Dvp), jnp.float32)
+    else:
+        h0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, Dkp), 3, Dvp)
+
+    specs = head_specs(Tp, Dkp, BV, H // Hkv)
+    o, ht = pl.pallas_call(
+        functools.partial(_gdn_kernel, chunk=chunk, scale=scale),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dvp), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, Dkp, Dvp), jnp.float32)),
+        grid=(B, H, Dvp // BV),
+        in_specs=[specs["q"], specs["k"], specs["v"], specs["gate"],
+                  specs["per_head"], specs["state"]],
+        out_specs=(specs["o"], specs["state"]),
+        compiler_params=triton_params(),
+        interpret=interpret,
+        name="linjax_gdn_chunked_fwd",
+    )(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), g, beta, h0)
+    return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
