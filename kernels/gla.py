@@ -55,10 +55,11 @@ def check_shape(x, expected, name):
         raise ValueError(f"{name} must have shape {tuple(expected)}; got {found}")
 
 
-def initial_state_or_zeros(initial_state, shape):
+def initial_state_or_zeros(initial_state, shape, name="initial_state"):
+    """The given state as fp32 after a shape check, or zeros of `shape`."""
     if initial_state is None:
         return jnp.zeros(shape, jnp.float32)
-    check_shape(initial_state, shape, "initial_state ([B, H, Dk, Dv])")
+    check_shape(initial_state, shape, name)
     return initial_state.astype(jnp.float32)
 
 
@@ -119,7 +120,7 @@ def step(q, k, v, log_alpha, *, state=None, scale=None):
     check_shape(log_alpha, (B, H, Dk), "log_alpha ([B, H, Dk])")
     scale = Dk ** -0.5 if scale is None else scale
     f32 = lambda x: x.astype(jnp.float32)
-    state, o = decayed_update(initial_state_or_zeros(state, (B, H, Dk, Dv)), f32(q), f32(expand_kv_heads(k, H)),
+    state, o = decayed_update(initial_state_or_zeros(state, (B, H, Dk, Dv), "state"), f32(q), f32(expand_kv_heads(k, H)),
                               f32(expand_kv_heads(v, H)), jnp.exp(f32(log_alpha)), scale)
     return o.astype(q.dtype), state
 

@@ -1,0 +1,84 @@
+"""Key-gated linear attention (kGLA): S_t = Diag(α_t)(I − β_t Diag(k_t ⊙ k_t)) S_{t-1} + k_t v_tᵀ.
+
+The paper's kGLA (sec. 3.2.1, "Gated Linear Attention with Key-Dependent
+Gate"): the diagonal of GDN's rank-1 erase, folded into the GLA gate. Both
+factors are diagonal, so kGLA is GLA with the log-gate
+
+    log α_t + log(1 − β_t k_t²),
+
+and `chunked` reuses the GLA chunk kernel. The erase factor 1 − β k² is
+floored at `floor` (default 1e-6, i.e. log ≥ −13.8): with L2-normalised keys
+and β = sigmoid(·) ∈ (0, 1) it is always positive, but unnormalised keys or a
+β near 1 on a one-hot key would otherwise give log 0 = −∞ or a negative decay.
+The gradient through a floored entry is zero.
+
+    reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, floor=1e-6) -> (o, final_state)
+    chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64, floor=1e-6) -> (o, final_state)
+    step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=1e-6) -> (o, new_state)
+
+Shapes as in gla.py, plus beta [B,T,H] (step: [B,H]), per query head; the
+key of query head h is k[..., h // (H // Hkv), :]. State [B,H,Dk,Dv] fp32.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from linjax.kernels import gla
+
+KEY_GATE_FLOOR = 1e-6
+
+
+def key_log_gate(log_alpha, beta, k, floor=KEY_GATE_FLOOR):
+    """log α + log max(1 − β k², floor), fp32. log_alpha, k [..., H, Dk] (k expanded to H heads), beta [..., H]."""
+    erase = beta.astype(jnp.float32)[..., None] * jnp.square(k.astype(jnp.float32))
+    return log_alpha.astype(jnp.float32) + jnp.log1p(-jnp.minimum(erase, 1.0 - floor))
+
+
+def _key_decay(log_alpha, beta, k, floor):
+    """The reference's multiplicative form: α ⊙ max(1 − β k², floor), written without the log."""
+    erase = beta.astype(jnp.float32)[..., None] * jnp.square(k.astype(jnp.float32))
+    return jnp.exp(log_alpha.astype(jnp.float32)) * jnp.maximum(1.0 - erase, floor)
+
+
+def _check_gates(log_alpha, beta, B, T, H, Dk):
+    gla.check_shape(log_alpha, (B, T, H, Dk), "log_alpha ([B, T, H, Dk])")
+    gla.check_shape(beta, (B, T, H), "beta ([B, T, H])")
+
+
+def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, floor=KEY_GATE_FLOOR):
+    """The spec: token-by-token fp32 recurrence with the decay α ⊙ max(1 − β k², floor) per step."""
+    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    _check_gates(log_alpha, beta, B, T, H, Dk)
+    scale = Dk ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)
+    k = f32(gla.expand_kv_heads(k, H))
+    o, state = gla.scan_recurrence(f32(q), k, f32(gla.expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor),
+                                   gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), scale)
+    return o.astype(q.dtype), state
+
+
+def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64, floor=KEY_GATE_FLOOR):
+    """Chunk-parallel kGLA: the GLA chunk kernel on the combined log-gate."""
+    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    _check_gates(log_alpha, beta, B, T, H, Dk)
+    scale = Dk ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)
+    k = f32(gla.expand_kv_heads(k, H))
+    o, state = gla.chunked_scan(f32(q) * scale, k, f32(gla.expand_kv_heads(v, H)),
+                                key_log_gate(log_alpha, beta, k, floor),
+                                gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk)
+    return o.astype(q.dtype), state
+
+
+def step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=KEY_GATE_FLOOR):
+    """One decode token: q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], log_alpha [B,H,Dk], beta [B,H]."""
+    B, _, H, _, Dk, Dv = gla.as_token_batch(q, k, v)
+    gla.check_shape(log_alpha, (B, H, Dk), "log_alpha ([B, H, Dk])")
+    gla.check_shape(beta, (B, H), "beta ([B, H])")
+    scale = Dk ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)
+    k = f32(gla.expand_kv_heads(k, H))
+    state, o = gla.decayed_update(gla.initial_state_or_zeros(state, (B, H, Dk, Dv), "state"), f32(q), k,
+                                  f32(gla.expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor), scale)
+    return o.astype(q.dtype), state

@@ -1,0 +1,76 @@
+"""Normalised linear attention (the Hedgehog form): o_t = qᵀS_t / qᵀz_t, S_t = Σ_{i≤t} k_i v_iᵀ, z_t = Σ_{i≤t} k_i.
+
+The paper's eq. (normalized-linear-attention), with the feature maps already
+applied: pass φ(q), φ(k) as q, k (the kernel applies none). It runs as GLA
+with no decay on the values with a column of ones appended, [v, 1]: the last
+output column is then the normaliser scale · qᵀz_t, and the state is
+
+    state [B, H, Dk, Dv + 1] fp32:  state[..., :Dv] = S,  state[..., Dv] = z.
+
+    reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10) -> (o, state, normaliser)
+    chunked(q, k, v, *, scale=None, initial_state=None, chunk=64, normalize=True, eps=1e-10) -> (o, state, normaliser)
+    step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10) -> (o, new_state, normaliser)
+
+normaliser [B,T,H] (step: [B,H]) = scale · qᵀz_t, fp32. With normalize=True,
+o = numerator / (normaliser + eps) in q's dtype (eps as in FLA's naive
+reference; the feature maps are expected positive, e.g. Hedgehog's softmax
+features, so the normaliser is > 0). With normalize=False, o is the raw
+numerator scale · S_tᵀq_t in fp32, for a mixer that adds a softmax window's
+numerator and denominator before one shared division (LoLCATs).
+The scale cancels in the normalised output; it is kept so that the
+numerator and normaliser are on the same scale as the other kernels.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from linjax.kernels import gla
+
+
+def _append_ones(v):
+    return jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
+
+
+def _finish(out, dtype, normalize, eps):
+    """Split [..., Dv+1] fp32 outputs into (numerator or normalised o, normaliser)."""
+    numerator, normaliser = out[..., :-1], out[..., -1]
+    if normalize:
+        return (numerator / (normaliser[..., None] + eps)).astype(dtype), normaliser
+    return numerator, normaliser
+
+
+def reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10):
+    """The spec: token-by-token fp32 sums S_t, z_t (no decay)."""
+    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    scale = Dk ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)
+    state = gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
+    out, state = gla.scan_recurrence(f32(q), f32(gla.expand_kv_heads(k, H)),
+                                     _append_ones(f32(gla.expand_kv_heads(v, H))), None, state, scale)
+    o, normaliser = _finish(out, q.dtype, normalize, eps)
+    return o, state, normaliser
+
+
+def chunked(q, k, v, *, scale=None, initial_state=None, chunk=64, normalize=True, eps=1e-10):
+    """Chunk-parallel form: the GLA chunk kernel without gates (causal q kᵀ per chunk)."""
+    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    scale = Dk ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)
+    state = gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
+    out, state = gla.chunked_scan(f32(q) * scale, f32(gla.expand_kv_heads(k, H)),
+                                  _append_ones(f32(gla.expand_kv_heads(v, H))), None, state, chunk)
+    o, normaliser = _finish(out, q.dtype, normalize, eps)
+    return o, state, normaliser
+
+
+def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
+    """One decode token: q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], state [B,H,Dk,Dv+1]."""
+    B, _, H, _, Dk, Dv = gla.as_token_batch(q, k, v)
+    scale = Dk ** -0.5 if scale is None else scale
+    f32 = lambda x: x.astype(jnp.float32)
+    state, out = gla.decayed_update(gla.initial_state_or_zeros(state, (B, H, Dk, Dv + 1), "state"), f32(q),
+                                    f32(gla.expand_kv_heads(k, H)), _append_ones(f32(gla.expand_kv_heads(v, H))),
+                                    None, scale)
+    o, normaliser = _finish(out, q.dtype, normalize, eps)
+    return o, state, normaliser

@@ -1,0 +1,29 @@
+"""Load FLA's naive PyTorch references as an independent oracle for the kernel tests.
+
+`import fla` needs triton (absent on CPU machines), so the reference file
+`fla/ops/<sub>/naive.py` is loaded on its own by file path. The naive files
+only import torch (and einops). Tests that use this skip when fla-core or
+torch is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def fla_naive(sub: str):
+    """The module `fla/ops/<sub>/naive.py` (e.g. sub="gla", "kda", "linear_attn"), or pytest.skip."""
+    pytest.importorskip("torch")
+    spec = importlib.util.find_spec("fla")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (pip install fla-core) - FLA oracle tests skipped")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", sub, "naive.py")
+    if not os.path.exists(path):
+        pytest.skip(f"this fla-core has no {path}")
+    module_spec = importlib.util.spec_from_file_location(f"fla_naive_{sub}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
