@@ -105,7 +105,7 @@ def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
 
     q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk]
     (per-channel log decay, ≤ 0), beta [B,T,H] in [0, 1], initial_state
-    [B,H,Dk,Dv] fp32 or None. Returns (o [B,T,H,Dv] in q's dtype,
+    [B,H,Dk,Dv] fp32 or None. Returns (o [B,T,H,Dv] in v's dtype,
     final_state [B,H,Dk,Dv] fp32). Forward only.
     """
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
@@ -132,7 +132,7 @@ def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
     specs = head_specs(Tp, Dkp, BV, H // Hkv)
     o, ht = pl.pallas_call(
         functools.partial(_gdn_kernel, chunk=chunk, scale=scale),
-        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dvp), q.dtype),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dvp), v.dtype),
                    jax.ShapeDtypeStruct((B, H, Dkp, Dvp), jnp.float32)),
         grid=(B, H, Dvp // BV),
         in_specs=[specs["q"], specs["k"], specs["v"], specs["gate"],

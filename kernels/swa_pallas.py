@@ -1,0 +1,122 @@
+"""Pallas (Triton backend) forward kernel for sliding-window attention with
+attention sinks: exact softmax where query t attends key j iff
+
+    j ≤ t  and  (j < sinks  or  t − j < window).
+
+One program per (batch, query head, block of 64 queries), flash-attention
+style: an online softmax (running max m, normaliser l, accumulator) over
+first the sink key blocks (keys j < sinks) and then the key blocks that
+overlap the window (keys j ≥ sinks), so every key is counted once. The
+window loop runs over at most ceil((64 + window − 1) / 64) + 1 key blocks
+whatever T is, which is what makes the cost linear in T. Masks are applied
+to the scores before the exp, with a finite "minus infinity" so a fully
+masked block never makes inf − inf.
+
+The wrapper pads T to a multiple of the block (padded queries are dropped;
+padded keys lie after every real query, so the causal mask hides them) and
+Dk, Dv to powers of two ≥ 16 with zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from linjax.kernels.gla_pallas import (
+    load_rows, matmul, matmul_t, pad_axis, tile_size, triton_params)
+
+_MASKED = -1e30  # finite stand-in for −inf in masked scores
+
+
+def _swa_kernel(q_ref, k_ref, v_ref, o_ref, *, block: int, window: int,
+                sinks: int, scale: float):
+    q_start = pl.program_id(2) * block
+    q = q_ref[...].astype(jnp.float32) * scale                     # [BQ, Dk]
+    t = q_start + lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    j_in_block = lax.broadcasted_iota(jnp.int32, (block, block), 1)
+
+    def attend(kb, carry, keep_of):
+        m, l, acc = carry
+        k_start = kb * block
+        s = matmul_t(q, load_rows(k_ref, k_start, block))          # [BQ, BK]
+        keep = keep_of(k_start + j_in_block)
+        s = jnp.where(keep, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(keep, jnp.exp(s - m_new[:, None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        l = rescale * l + jnp.sum(p, axis=1)
+        acc = rescale[:, None] * acc + matmul(p, load_rows(v_ref, k_start, block))
+        return m_new, l, acc
+
+    def sink_keys(j):
+        return (j < sinks) & (j <= t)
+
+    def window_keys(j):
+        return (j >= sinks) & (j <= t) & (t - j < window)
+
+    carry = (jnp.full((block,), _MASKED, jnp.float32),
+             jnp.zeros((block,), jnp.float32),
+             jnp.zeros((block, o_ref.shape[-1]), jnp.float32))
+    n_sink_blocks = min(-(-sinks // block), k_ref.shape[0] // block)
+    for kb in range(n_sink_blocks):
+        carry = attend(kb, carry, sink_keys)
+    # Key blocks from the oldest key any query of this block still sees in
+    # its window (and not below the sinks) up to the block's own diagonal.
+    first = jnp.maximum(jnp.maximum(q_start - window + 1, sinks), 0) // block
+    last = pl.program_id(2)
+    carry = lax.fori_loop(first, last + 1,
+                          lambda kb, c: attend(kb, c, window_keys), carry)
+    _, l, acc = carry
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def forward(q, k, v, *, window: int, sinks: int = 0, scale=None, block=64,
+            interpret=False):
+    """Sliding-window + sink softmax attention as one Pallas call.
+
+    q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] (H a multiple of Hkv; query
+    head h reads kv head h // (H // Hkv)); `window` ≥ 1 recent tokens
+    (including the current one) plus the first `sinks` positions. Returns
+    o [B,T,H,Dv] in v's dtype. Forward only.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, time, heads, dim]; got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    B, T, H, Dk = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
+    if k.shape != (B, T, Hkv, Dk) or v.shape[:3] != (B, T, Hkv) or H % Hkv:
+        raise ValueError(f"expected k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] with H a "
+                         f"multiple of Hkv; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if window < 1 or sinks < 0:
+        raise ValueError(f"need window ≥ 1 and sinks ≥ 0; got window={window}, sinks={sinks}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two ≥ 16; got {block}")
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    Tp = -(-T // block) * block
+    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
+    group = H // Hkv
+    sq = pl.squeezed
+
+    def prep(x, d):
+        return pad_axis(pad_axis(x, 1, Tp), 3, d)
+
+    o = pl.pallas_call(
+        functools.partial(_swa_kernel, block=block, window=int(window),
+                          sinks=int(sinks), scale=scale),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dvp), v.dtype),
+        grid=(B, H, Tp // block),
+        in_specs=[
+            pl.BlockSpec((sq, block, sq, Dkp), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((sq, Tp, sq, Dkp), lambda b, h, i: (b, 0, h // group, 0)),
+            pl.BlockSpec((sq, Tp, sq, Dvp), lambda b, h, i: (b, 0, h // group, 0)),
+        ],
+        out_specs=pl.BlockSpec((sq, block, sq, Dvp), lambda b, h, i: (b, i, h, 0)),
+        compiler_params=triton_params(),
+        interpret=interpret,
+        name="linjax_swa_sinks_fwd",
+    )(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp))
+    return o[:, :T, :, :Dv]
