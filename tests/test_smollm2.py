@@ -1,0 +1,56 @@
+"""The embedded default model, SmolLM2-135M-Instruct (GGUF), against transformers' own GGUF loading."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linjax
+from linjax.generate import generate
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+@pytest.fixture(scope="module")
+def both_models():
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from linjax.convert.sources import embedded_gguf_path
+
+    try:
+        path = embedded_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    ours, tokenizer = linjax.load("smollm2-135m")
+    theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype="float32", attn_implementation="eager").eval()
+    return ours, theirs, tokenizer
+
+
+def test_logits_match_transformers_gguf_loading(both_models):
+    import torch
+
+    ours, theirs, tokenizer = both_models
+    text = open(__file__).read()
+    ids = tokenizer(text)["input_ids"][:64]
+    assert len(ids) == 64
+    with torch.no_grad():
+        expected = theirs(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(ours(jnp.asarray([ids], jnp.int32)))
+    assert np.max(np.abs(got - expected)) <= 1e-3
+
+
+def test_greedy_continuation_matches_transformers(both_models):
+    import torch
+
+    ours, theirs, tokenizer = both_models
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):]
+    got = generate(ours, jnp.asarray([ids], jnp.int32), 10)[0, len(ids):]
+    assert np.asarray(got).tolist() == expected.tolist()
+    assert "Berlin" in tokenizer.decode(np.asarray(got))
