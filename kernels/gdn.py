@@ -229,3 +229,23 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=6
          + jnp.einsum("bhnij,bhnjv->bhniv", a_qk, u)) * scale
     o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, -1)[:, :T]
     return o.astype(v.dtype), S_final
+
+
+# ------------------------------------------------------------------ Pallas (GPU)
+
+from linjax.kernels import gdn_pallas, gla_pallas  # noqa: E402  (appended block; no import cycle)
+
+
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64, interpret=None):
+    """`chunked` as one Pallas (Triton) kernel, see gdn_pallas.py; same arguments and results
+    (per-channel or scalar gate).
+
+    Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
+    (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
+    the default backend is CPU."""
+    kernel = lambda *a, initial_state: gdn_pallas.forward(
+        *a, scale=scale, initial_state=initial_state, chunk=chunk,
+        interpret=gla_pallas.default_interpret(interpret))
+    spec = lambda *a, initial_state: chunked(*a, scale=scale, initial_state=initial_state, chunk=chunk)
+    o, state = gla_pallas.with_chunked_backward(kernel, spec, (q, k, v, log_alpha, beta), initial_state)
+    return o.astype(v.dtype), state

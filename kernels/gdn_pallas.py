@@ -20,8 +20,8 @@ substitution over sub-chunks; each 16 × 16 diagonal block is inverted by
 forward substitution, row by row, in fp32 (as FLA's `solve_tril` does, from
 the equations). Columns of S evolve independently, so programs split Dv.
 
-A scalar (per-head) gate is the per-channel gate broadcast over Dk: the
-public wrapper does that before calling `forward`.
+A scalar (per-head) gate is the per-channel gate broadcast over Dk;
+`forward` does that itself.
 """
 
 from __future__ import annotations
@@ -104,10 +104,12 @@ def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
     """Chunked gated-delta-rule forward as one Pallas call (Triton on GPU).
 
     q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk]
-    (per-channel log decay, ≤ 0), beta [B,T,H] in [0, 1], initial_state
-    [B,H,Dk,Dv] fp32 or None. Returns (o [B,T,H,Dv] in v's dtype,
-    final_state [B,H,Dk,Dv] fp32). Forward only.
+    (per-channel log decay, ≤ 0; a scalar gate [B,T,H] is broadcast over Dk),
+    beta [B,T,H] in [0, 1], initial_state [B,H,Dk,Dv] fp32 or None. Returns
+    (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32). Forward only.
     """
+    if log_alpha.ndim == 3:  # scalar gate per head: the same decay on every channel
+        log_alpha = jnp.broadcast_to(log_alpha[..., None], q.shape)
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
     B, T, H, Dk = q.shape
     if beta.shape != (B, T, H):

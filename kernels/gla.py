@@ -245,3 +245,22 @@ def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64):
     o, state = chunked_scan(f32(q) * scale, f32(expand_kv_heads(k, H)), f32(expand_kv_heads(v, H)),
                             f32(log_alpha), initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk)
     return o.astype(q.dtype), state
+
+
+# ------------------------------------------------------------------ Pallas (GPU)
+
+from linjax.kernels import gla_pallas  # noqa: E402  (appended block; no import cycle)
+
+
+def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64, interpret=None):
+    """`chunked` as one Pallas (Triton) kernel, see gla_pallas.py; same arguments and results.
+
+    Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
+    (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
+    the default backend is CPU."""
+    kernel = lambda *a, initial_state: gla_pallas.forward(
+        *a, scale=scale, initial_state=initial_state, chunk=chunk,
+        interpret=gla_pallas.default_interpret(interpret))
+    spec = lambda *a, initial_state: chunked(*a, scale=scale, initial_state=initial_state, chunk=chunk)
+    o, state = gla_pallas.with_chunked_backward(kernel, spec, (q, k, v, log_alpha), initial_state)
+    return o.astype(q.dtype), state

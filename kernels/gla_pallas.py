@@ -275,9 +275,10 @@ def with_chunked_backward(kernel_forward, chunked_forward, arrays, initial_state
         return run(arrays, h0), (arrays, h0)
 
     def run_bwd(residuals, cotangents):
-        _, vjp = jax.vjp(
+        out, vjp = jax.vjp(
             lambda a, h: chunked_forward(*a, initial_state=h), *residuals)
-        return vjp(cotangents)
+        # The two paths may round outputs to different dtypes (q's vs v's).
+        return vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), cotangents, out))
 
     run.defvjp(run_fwd, run_bwd)
     return run(tuple(arrays), initial_state)

@@ -82,3 +82,17 @@ def step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=KEY_GATE_FLO
     state, o = gla.decayed_update(gla.initial_state_or_zeros(state, (B, H, Dk, Dv), "state"), f32(q), k,
                                   f32(gla.expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor), scale)
     return o.astype(q.dtype), state
+
+
+# ------------------------------------------------------------------ Pallas (GPU)
+
+
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64,
+           floor=KEY_GATE_FLOOR, interpret=None):
+    """`chunked` with the GLA Pallas kernel on the combined log-gate (gla.pallas; its
+    backward recomputes through gla.chunked, and the gate's own gradient is plain autodiff)."""
+    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    _check_gates(log_alpha, beta, B, T, H, Dk)
+    log_gate = key_log_gate(log_alpha, beta, gla.expand_kv_heads(k, H), floor)
+    return gla.pallas(q, k, v, log_gate, scale=scale, initial_state=initial_state, chunk=chunk,
+                      interpret=interpret)

@@ -74,3 +74,19 @@ def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
                                     None, scale)
     o, normaliser = _finish(out, q.dtype, normalize, eps)
     return o, state, normaliser
+
+
+# ------------------------------------------------------------------ Pallas (GPU)
+
+
+def pallas(q, k, v, *, scale=None, initial_state=None, chunk=64, normalize=True, eps=1e-10,
+           interpret=None):
+    """`chunked` with the GLA Pallas kernel on zero gates and [v, 1] (gla.pallas; its backward
+    recomputes through gla.chunked). Run in fp32 so the normaliser is not rounded to q's dtype."""
+    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    no_decay = jnp.zeros((B, T, H, Dk), jnp.float32)
+    out, state = gla.pallas(f32(q), k, _append_ones(f32(v)), no_decay, scale=scale,
+                            initial_state=initial_state, chunk=chunk, interpret=interpret)
+    o, normaliser = _finish(out, q.dtype, normalize, eps)
+    return o, state, normaliser
