@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from linjax.kernels.gla_pallas import (
     SUB, MAX_BLOCK_V, boundary_gate, check_inputs, chunk_local_cumsum,
     diag_gram, head_specs, load_rows, matmul, offdiag_gram, pad_axis,
-    t_matmul, tile_size, triton_params)
+    pad_to_tiles, t_matmul, triton_params)
 
 
 def unit_lower_inverse(a):
@@ -111,37 +111,33 @@ def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
     if log_alpha.ndim == 3:  # scalar gate per head: the same decay on every channel
         log_alpha = jnp.broadcast_to(log_alpha[..., None], q.shape)
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
-    B, T, H, Dk = q.shape
+    (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got {beta.shape}")
-    Hkv, Dv = k.shape[2], v.shape[3]
-    scale = Dk ** -0.5 if scale is None else float(scale)
-    Tp = -(-T // chunk) * chunk
-    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
-    BV = min(Dvp, MAX_BLOCK_V)
-
-    def prep(x, d):
-        return pad_axis(pad_axis(x, 1, Tp), 3, d)
-
+    q, k, v, log_alpha, h0 = pad_to_tiles(q, k, v, log_alpha, initial_state, chunk)
     # β = 0 on padded steps makes them the identity on the state.
-    g = chunk_local_cumsum(prep(log_alpha, Dkp), chunk)
-    beta = pad_axis(beta.astype(jnp.float32), 1, Tp)
-    if initial_state is None:
-        h0 = jnp.zeros((B, H, Dkp, Dvp), jnp.float32)
-    else:
-        h0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, Dkp), 3, Dvp)
+    beta = pad_axis(beta.astype(jnp.float32), 1, q.shape[1])
+    o, ht = _gdn_call(q, k, v, log_alpha, beta, h0, group=H // Hkv, chunk=chunk,
+                      interpret=bool(interpret),
+                      scale=Dk ** -0.5 if scale is None else float(scale))
+    return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
 
-    specs = head_specs(Tp, Dkp, BV, H // Hkv)
-    o, ht = pl.pallas_call(
+
+@functools.partial(jax.jit, static_argnames=("group", "chunk", "scale", "interpret"))
+def _gdn_call(q, k, v, log_alpha, beta, h0, *, group, chunk, scale, interpret):
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[3]
+    BV = min(Dv, MAX_BLOCK_V)
+    specs = head_specs(Tp, Dk, BV, group)
+    return pl.pallas_call(
         functools.partial(_gdn_kernel, chunk=chunk, scale=scale),
-        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dvp), v.dtype),
-                   jax.ShapeDtypeStruct((B, H, Dkp, Dvp), jnp.float32)),
-        grid=(B, H, Dvp // BV),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
+                   jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)),
+        grid=(B, H, Dv // BV),
         in_specs=[specs["q"], specs["k"], specs["v"], specs["gate"],
                   specs["per_head"], specs["state"]],
         out_specs=(specs["o"], specs["state"]),
         compiler_params=triton_params(),
         interpret=interpret,
         name="linjax_gdn_chunked_fwd",
-    )(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), g, beta, h0)
-    return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
+    )(q, k, v, chunk_local_cumsum(log_alpha, chunk), beta, h0)

@@ -221,35 +221,51 @@ def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64,
     see `with_chunked_backward` for gradients.
     """
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
+    (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
+    padded = pad_to_tiles(q, k, v, log_alpha, initial_state, chunk)
+    o, ht = _gla_call(*padded, group=H // Hkv, chunk=chunk, interpret=bool(interpret),
+                      scale=Dk ** -0.5 if scale is None else float(scale))
+    return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
+
+
+def pad_to_tiles(q, k, v, log_alpha, initial_state, chunk: int):
+    """Pad T to whole chunks (zeros; log α = 0 keeps the state) and Dk, Dv to
+    tile sizes (zero channels add nothing). Returns padded (q, k, v,
+    log_alpha fp32, initial state fp32, zeros if None). Done outside the
+    jitted call so that every T with the same number of chunks shares one
+    compiled kernel."""
     B, T, H, Dk = q.shape
-    Hkv, Dv = k.shape[2], v.shape[3]
-    scale = Dk ** -0.5 if scale is None else float(scale)
     Tp = -(-T // chunk) * chunk
-    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
-    BV = min(Dvp, MAX_BLOCK_V)
+    Dkp, Dvp = tile_size(Dk), tile_size(v.shape[3])
 
     def prep(x, d):
         return pad_axis(pad_axis(x, 1, Tp), 3, d)
 
-    g = chunk_local_cumsum(prep(log_alpha, Dkp), chunk)
     if initial_state is None:
         h0 = jnp.zeros((B, H, Dkp, Dvp), jnp.float32)
     else:
         h0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, Dkp), 3, Dvp)
+    return (prep(q, Dkp), prep(k, Dkp), prep(v, Dvp),
+            prep(log_alpha.astype(jnp.float32), Dkp), h0)
 
-    specs = head_specs(Tp, Dkp, BV, H // Hkv)
-    o, ht = pl.pallas_call(
+
+@functools.partial(jax.jit, static_argnames=("group", "chunk", "scale", "interpret"))
+def _gla_call(q, k, v, log_alpha, h0, *, group, chunk, scale, interpret):
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[3]
+    BV = min(Dv, MAX_BLOCK_V)
+    specs = head_specs(Tp, Dk, BV, group)
+    return pl.pallas_call(
         functools.partial(_gla_kernel, chunk=chunk, scale=scale),
-        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dvp), v.dtype),
-                   jax.ShapeDtypeStruct((B, H, Dkp, Dvp), jnp.float32)),
-        grid=(B, H, Dvp // BV),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
+                   jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)),
+        grid=(B, H, Dv // BV),
         in_specs=[specs["q"], specs["k"], specs["v"], specs["gate"], specs["state"]],
         out_specs=(specs["o"], specs["state"]),
         compiler_params=triton_params(),
         interpret=interpret,
         name="linjax_gla_chunked_fwd",
-    )(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), g, h0)
-    return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
+    )(q, k, v, chunk_local_cumsum(log_alpha, chunk), h0)
 
 
 # ------------------------------------------------------------ differentiation

@@ -95,28 +95,37 @@ def forward(q, k, v, *, window: int, sinks: int = 0, scale=None, block=64,
         raise ValueError(f"need window ≥ 1 and sinks ≥ 0; got window={window}, sinks={sinks}")
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two ≥ 16; got {block}")
-    scale = Dk ** -0.5 if scale is None else float(scale)
     Tp = -(-T // block) * block
     Dkp, Dvp = tile_size(Dk), tile_size(Dv)
-    group = H // Hkv
-    sq = pl.squeezed
 
     def prep(x, d):
         return pad_axis(pad_axis(x, 1, Tp), 3, d)
 
-    o = pl.pallas_call(
-        functools.partial(_swa_kernel, block=block, window=int(window),
-                          sinks=int(sinks), scale=scale),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dvp), v.dtype),
+    o = _swa_call(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), group=H // Hkv,
+                  block=block, window=int(window), sinks=int(sinks),
+                  scale=Dk ** -0.5 if scale is None else float(scale),
+                  interpret=bool(interpret))
+    return o[:, :T, :, :Dv]
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "group", "block", "window", "sinks", "scale", "interpret"))
+def _swa_call(q, k, v, *, group, block, window, sinks, scale, interpret):
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[3]
+    sq = pl.squeezed
+    return pl.pallas_call(
+        functools.partial(_swa_kernel, block=block, window=window, sinks=sinks,
+                          scale=scale),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
         grid=(B, H, Tp // block),
         in_specs=[
-            pl.BlockSpec((sq, block, sq, Dkp), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((sq, Tp, sq, Dkp), lambda b, h, i: (b, 0, h // group, 0)),
-            pl.BlockSpec((sq, Tp, sq, Dvp), lambda b, h, i: (b, 0, h // group, 0)),
+            pl.BlockSpec((sq, block, sq, Dk), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, i: (b, 0, h // group, 0)),
+            pl.BlockSpec((sq, Tp, sq, Dv), lambda b, h, i: (b, 0, h // group, 0)),
         ],
-        out_specs=pl.BlockSpec((sq, block, sq, Dvp), lambda b, h, i: (b, i, h, 0)),
+        out_specs=pl.BlockSpec((sq, block, sq, Dv), lambda b, h, i: (b, i, h, 0)),
         compiler_params=triton_params(),
         interpret=interpret,
         name="linjax_swa_sinks_fwd",
-    )(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp))
-    return o[:, :T, :, :Dv]
+    )(q, k, v)
