@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from linjax.config import ModelConfig
-from linjax.model import CausalLM
+from linjax.linearize import LinearizeConfig
+from linjax.model import CausalLM, abstract_model
 
 MANIFEST = "linjax.json"
 FORMAT_VERSION = 1
@@ -37,8 +39,10 @@ def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
     checkpointer.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
+    linearized = model.linearize_config
     manifest = {"format_version": FORMAT_VERSION, "dtype": str(model.dtype),
-                "model_config": model.config.to_hf()}
+                "model_config": model.config.to_hf(),
+                "linearize": None if linearized is None else linearized.to_dict()}
     tmp = os.path.join(directory, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=2)
@@ -58,8 +62,9 @@ def load_checkpoint(directory: str, dtype=None):
                          f"is not {FORMAT_VERSION}; it was written by another linjax version")
     config = ModelConfig.from_hf(manifest["model_config"])
     saved_dtype = jnp.dtype(manifest["dtype"])
-    abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=saved_dtype, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
+    linearized = manifest.get("linearize")
+    linearized = None if linearized is None else LinearizeConfig.from_dict(linearized)
+    graphdef, abstract_state = nnx.split(abstract_model(config, linearized, dtype=saved_dtype))
     state = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract_state)
     model = nnx.merge(graphdef, state)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
@@ -72,10 +77,14 @@ def load_checkpoint(directory: str, dtype=None):
 
 
 def cast_model(model: CausalLM, dtype) -> CausalLM:
-    """The same model with parameters and compute in `dtype`."""
+    """The same model with the pretrained parameters and compute in `dtype`.
+
+    New (trainable) parameters stay fp32, as they are created: they are few,
+    and their optimizer updates need the precision.
+    """
     dtype = jnp.dtype(dtype)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(model.config, dtype=dtype, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_model(model.config, model.linearize_config, dtype=dtype))
     values = nnx.to_pure_dict(nnx.state(model))
-    import jax
-    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dtype), values))
+    targets = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a, t: jnp.asarray(a, t.dtype), values, targets))
     return nnx.merge(graphdef, state)

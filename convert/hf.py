@@ -64,7 +64,7 @@ def _set(tree: dict, path: Path, value):
 def model_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
                        source: str = "checkpoint") -> CausalLM:
     """Builds a `CausalLM` from HF-named tensors; strict about names and shapes."""
-    graphdef, state = nnx.split(abstract_model(config, dtype))
+    graphdef, state = nnx.split(abstract_model(config, dtype=dtype))
     params = nnx.to_pure_dict(state)
     table = name_table(config)
     missing = sorted(set(table) - set(tensors))

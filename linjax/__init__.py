@@ -7,6 +7,8 @@ Public API:
 """
 
 from linjax.config import ModelConfig
+from linjax.generate import generate
+from linjax.linearize import LinearizeConfig, linearize, trainable_parameter_count
 from linjax.model import CausalLM, abstract_model, parameter_count
 
 __version__ = "0.1.0"
@@ -26,4 +28,5 @@ def save_hf(model, directory, tokenizer=None):
     return _save_hf(model, directory, tokenizer)
 
 
-__all__ = ["CausalLM", "ModelConfig", "abstract_model", "parameter_count", "load", "save_hf", "__version__"]
+__all__ = ["CausalLM", "LinearizeConfig", "ModelConfig", "abstract_model", "generate", "linearize",
+           "parameter_count", "trainable_parameter_count", "load", "save_hf", "__version__"]

@@ -97,18 +97,42 @@ class AttentionProjections(nnx.Module):
             self.q_norm = self.k_norm = None
         self.config = config
 
-    def qkv(self, x: jax.Array, positions: jax.Array):
-        """x [B,T,d] → q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D], after q/k norm and RoPE."""
+    def _project(self, name: str, x: jax.Array, lora) -> jax.Array:
+        y = getattr(self, name)(x)
+        return y if lora is None else y + lora.delta(name, x)
+
+    def qkv(self, x: jax.Array, positions: jax.Array, lora=None):
+        """x [B,T,d] → q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D], after q/k norm and RoPE.
+
+        `lora` (a `linjax.adapters.LoRA`) adds its low-rank updates to the frozen projections.
+        """
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self._project("q_proj", x, lora).reshape(b, t, self.num_heads, self.head_dim)
+        k = self._project("k_proj", x, lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self._project("v_proj", x, lora).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inverse_frequencies(self.config)  # constant-folded under jit
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def out(self, o: jax.Array) -> jax.Array:
+    def out(self, o: jax.Array, lora=None) -> jax.Array:
         """o [B,T,H,D] → [B,T,d]."""
         b, t = o.shape[:2]
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+        return self._project("o_proj", o.reshape(b, t, self.num_heads * self.head_dim), lora)
+
+
+class Trainable(nnx.Param):
+    """A parameter that linearization adds; everything else (plain `nnx.Param`) is the frozen backbone.
+
+    Training filters on this type: gradients and optimizer state exist only for it.
+    """
+
+
+def torch_linear_init(key, shape, fan_in: int, dtype=jnp.float32) -> jax.Array:
+    """U(−1/√fan_in, 1/√fan_in): PyTorch's default for nn.Linear/Conv1d weights and biases.
+
+    The paper keeps PyTorch's default initialisation for every new tensor it does
+    not name, so linjax does the same.
+    """
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)

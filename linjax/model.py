@@ -46,6 +46,7 @@ class CausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.linearize_config = None  # set by `linjax.linearize`
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(config, dtype=dtype, rngs=rngs)
@@ -99,11 +100,20 @@ def _cache_length(states):
     raise ValueError("decoding states carry no `length`; pass `positions` explicitly")
 
 
-def abstract_model(hf_config, dtype=jnp.float32) -> CausalLM:
+def abstract_model(hf_config, linearize=None, dtype=jnp.float32) -> CausalLM:
     """The model for an HF config (dict, `transformers` config, config.json path or
-    `ModelConfig`), built under `nnx.eval_shape`: shapes only, no memory cost."""
+    `ModelConfig`), linearized with `linearize` (a LinearizeConfig) if given, built
+    under `nnx.eval_shape`: shapes only, no memory cost."""
     config = hf_config if isinstance(hf_config, ModelConfig) else ModelConfig.from_hf(hf_config)
-    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+    def build():
+        model = CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+        if linearize is None:
+            return model
+        from linjax.linearize import linearize as apply_linearize
+        return apply_linearize(model, linearize)
+
+    return nnx.eval_shape(build)
 
 
 def parameter_count(model: nnx.Module) -> int:

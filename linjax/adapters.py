@@ -1,0 +1,61 @@
+"""The paper's two projection adapters: LoRA on q/k/v/o and a short convolution on q, k and v."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.kernels import conv
+from linjax.layers import AttentionProjections, Trainable, torch_linear_init
+
+
+class LoRA(nnx.Module):
+    """Low-rank updates x·A·B·(alpha/rank) for q_proj, k_proj, v_proj and o_proj (PEFT's defaults).
+
+    A starts like PEFT's (kaiming-uniform, bound 1/√in) and B at zero, so the
+    adapted model starts equal to the pretrained one.
+    """
+
+    def __init__(self, proj: AttentionProjections, *, rank: int = 8, alpha: float = 16.0, rngs: nnx.Rngs):
+        self.scaling = alpha / rank
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            fan_in, fan_out = getattr(proj, name).kernel.shape
+            down = Trainable(torch_linear_init(rngs.params(), (fan_in, rank), fan_in))
+            up = Trainable(jnp.zeros((rank, fan_out), jnp.float32))
+            setattr(self, f"{name}_a", down)
+            setattr(self, f"{name}_b", up)
+
+    def delta(self, name: str, x: jax.Array) -> jax.Array:
+        a, b = getattr(self, f"{name}_a")[...], getattr(self, f"{name}_b")[...]
+        return ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)) * jnp.asarray(self.scaling, x.dtype)
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise conv1d (kernel 8, bias, no activation) on q, k and v, after RoPE (paper, appendix).
+
+    Weights use PyTorch's Conv1d default (fan-in = kernel size for a depthwise conv).
+    """
+
+    def __init__(self, q_channels: int, kv_channels: int, *, kernel_size: int = 8, rngs: nnx.Rngs):
+        self.kernel_size = kernel_size
+        for name, channels in (("q", q_channels), ("k", kv_channels), ("v", kv_channels)):
+            setattr(self, f"{name}_weight",
+                    Trainable(torch_linear_init(rngs.params(), (kernel_size, channels), kernel_size)))
+            setattr(self, f"{name}_bias", Trainable(torch_linear_init(rngs.params(), (channels,), kernel_size)))
+
+    def empty_caches(self, batch: int, q_channels: int, kv_channels: int, dtype):
+        return tuple(conv.empty_cache(batch, c, self.kernel_size, dtype)
+                     for c in (q_channels, kv_channels, kv_channels))
+
+    def __call__(self, q, k, v, caches=None):
+        """q [B,T,H,D], k, v [B,T,Hkv,D] → the same shapes, plus the new caches."""
+        caches = caches or (None, None, None)
+        outs, new_caches = [], []
+        for name, x, cache in zip("qkv", (q, k, v), caches):
+            b, t, n, d = x.shape
+            y, cache = conv.apply(x.reshape(b, t, n * d), getattr(self, f"{name}_weight")[...],
+                                  getattr(self, f"{name}_bias")[...], cache)
+            outs.append(y.reshape(b, t, n, d))
+            new_caches.append(cache)
+        return tuple(outs), tuple(new_caches)

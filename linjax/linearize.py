@@ -1,0 +1,141 @@
+"""Replace softmax attention with a linear mechanism, layer by layer, keeping the pretrained weights.
+
+    model = linjax.linearize(model, linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8,
+                                                           adapter="shortconv"))
+
+The pretrained projections are shared with the new mixers, not copied; the only
+new parameters are the mechanism's (gates, β, feature maps) and the adapter's,
+all of type `linjax.layers.Trainable`, which is what training optimises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from flax import nnx
+
+from linjax.layers import Trainable
+from linjax.mixers.gdn import GDN
+from linjax.mixers.gdn_scalar import GDNScalar
+from linjax.mixers.gla import GLA
+from linjax.mixers.hedgehog import Hedgehog
+from linjax.mixers.kgla import KGLA
+from linjax.mixers.softmax import SoftmaxAttention
+
+MIXERS = {"gla": GLA, "kgla": KGLA, "gdn": GDN, "gdn_scalar": GDNScalar, "hedgehog": Hedgehog,
+          "softmax": SoftmaxAttention}
+ADAPTERS = (None, "shortconv", "lora")
+COMBINES = ("sum", "mixed")
+KERNELS = ("chunked", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearizeConfig:
+    """How to linearize: the paper's final recipe is GDN + window 56 + 8 sinks + short conv.
+
+    mechanism: gla | kgla | gdn (Kimi, per-channel gate) | gdn_scalar | hedgehog | softmax (no change)
+    window, sinks: exact softmax over the first `sinks` tokens and the last `window` ones; the
+        linear state covers the rest ("SWA 64" is window=64, sinks=0; 0/0 is pure linear attention).
+    combine: "sum" (the paper's disjoint sum) or "mixed" (Liger's 0.5 · linear + 0.5 · window).
+    adapter: None, "shortconv" (kernel 8 on q, k, v) or "lora" (rank 8, alpha 16 on q/k/v/o).
+    keep_full_attention: layer indices kept as softmax attention, or a fraction of the layers
+        spread uniformly over depth.
+    kernel: "chunked" (pure JAX, any backend) or "pallas" (GPU kernels; interpreted on CPU).
+    """
+
+    mechanism: str = "gdn"
+    window: int = 56
+    sinks: int = 8
+    combine: str = "sum"
+    adapter: str | None = None
+    keep_full_attention: tuple[int, ...] | float = ()
+    gate_rank: int = 16
+    conv_kernel: int = 8
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    chunk: int = 64
+    kernel: str = "chunked"
+
+    def __post_init__(self):
+        if self.mechanism not in MIXERS:
+            raise ValueError(f"unknown mechanism {self.mechanism!r}; choose one of {sorted(MIXERS)}")
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"unknown adapter {self.adapter!r}; choose None, 'shortconv' or 'lora'")
+        if self.combine not in COMBINES:
+            raise ValueError(f"unknown combine {self.combine!r}; choose 'sum' or 'mixed'")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {self.kernel!r}; choose 'chunked' or 'pallas'")
+        if self.window < 0 or self.sinks < 0:
+            raise ValueError(f"window and sinks must be ≥ 0, got window={self.window}, sinks={self.sinks}")
+        if self.sinks and not self.window:
+            raise ValueError(f"sinks={self.sinks} need a window ≥ 1 (the current token is always attended "
+                             "exactly); use window ≥ 1, or sinks=0 for pure linear attention")
+        if self.combine == "mixed" and not self.window:
+            raise ValueError("combine='mixed' mixes the linear and window parts; it needs window ≥ 1")
+        for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        keep = self.keep_full_attention
+        if isinstance(keep, (list, tuple)):
+            object.__setattr__(self, "keep_full_attention", tuple(int(i) for i in keep))
+        elif isinstance(keep, float) and not 0.0 <= keep <= 1.0:
+            raise ValueError(f"keep_full_attention as a fraction must be in [0, 1], got {keep}")
+        elif not isinstance(keep, float):
+            raise ValueError(f"keep_full_attention must be layer indices or a fraction, got {keep!r}")
+
+    def full_attention_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layer indices kept as softmax attention."""
+        keep = self.keep_full_attention
+        if isinstance(keep, float):
+            count = round(keep * num_layers)
+            # The centres of `count` equal slices of the depth.
+            return tuple(sorted({int((i + 0.5) * num_layers / count) for i in range(count)})) if count else ()
+        bad = [i for i in keep if not -num_layers <= i < num_layers]
+        if bad:
+            raise ValueError(f"keep_full_attention has layer indices {bad} out of range for a "
+                             f"{num_layers}-layer model (valid: 0..{num_layers - 1})")
+        return tuple(sorted({i % num_layers for i in keep}))
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if isinstance(out["keep_full_attention"], tuple):
+            out["keep_full_attention"] = list(out["keep_full_attention"])
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "LinearizeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown linearize settings {unknown}; known: {sorted(known)}")
+        return cls(**fields)
+
+
+def linearize(model, config: LinearizeConfig, seed: int = 0):
+    """A linearized copy of `model`: same (shared) pretrained arrays, new mixers with fresh parameters."""
+    if getattr(model, "linearize_config", None) is not None:
+        raise ValueError("this model is already linearized; linearize the pretrained model instead")
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)  # new module objects over the same (immutable) arrays
+    keep = set(config.full_attention_layers(len(new.layers)))
+    mixer_class = MIXERS[config.mechanism]
+    rngs = nnx.Rngs(seed)
+    for i, block in enumerate(new.layers):
+        if i in keep or mixer_class is SoftmaxAttention:
+            continue
+        block.attn = mixer_class(block.attn.proj, config, rngs=rngs)
+    new.linearize_config = config
+    return new
+
+
+def mixer_names(model) -> list[str]:
+    """The mechanism of each layer, e.g. ['gdn', 'softmax', 'gdn', ...]."""
+    by_class = {cls: name for name, cls in MIXERS.items()}
+    return [by_class[type(block.attn)] for block in model.layers]
+
+
+def trainable_parameter_count(model) -> int:
+    """Scalars in the parameters that linearization added (what training updates)."""
+    import jax
+
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, Trainable)))
+

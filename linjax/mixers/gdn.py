@@ -1,0 +1,41 @@
+"""GDN in the Kimi form, the paper's "GDN": S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ.
+
+The delta rule's rank-1 correction is what the paper's first-order analysis
+(sec. 3.2) finds in softmax attention. Gate as GLA; β_t = sigmoid(h_t W_β + b_β)
+per query head, W_β ∈ R^{d×H}, b_β initialised to −1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.kernels import gdn
+from linjax.layers import Trainable, torch_linear_init
+from linjax.mixers.gla import LowRankGate
+from linjax.mixers.linear import LinearMixer
+
+
+class Beta(nnx.Module):
+    """β = sigmoid(h W_β + b_β) ∈ (0, 1), one per query head."""
+
+    def __init__(self, hidden: int, heads: int, *, rngs: nnx.Rngs):
+        self.weight = Trainable(torch_linear_init(rngs.params(), (hidden, heads), hidden))
+        self.bias = Trainable(jnp.full((heads,), -1.0, jnp.float32))
+
+    def __call__(self, h):
+        return jax.nn.sigmoid(h.astype(jnp.float32) @ self.weight[...] + self.bias[...])
+
+
+class GDN(LinearMixer):
+    kernel = gdn
+
+    def __init__(self, proj, settings, *, rngs: nnx.Rngs):
+        super().__init__(proj, settings, rngs=rngs)
+        hidden = proj.q_proj.kernel.shape[0]
+        self.gate = LowRankGate(hidden, proj.num_heads, proj.head_dim, rank=settings.gate_rank, rngs=rngs)
+        self.beta = Beta(hidden, proj.num_heads, rngs=rngs)
+
+    def gates(self, h, k):
+        return self.gate(h), self.beta(h)

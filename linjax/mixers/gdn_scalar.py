@@ -1,0 +1,31 @@
+"""The original gated delta rule: as GDN, but α_t is one scalar per head.
+
+log α_t = LogSigmoid(h_t W_α + b_α), W_α ∈ R^{d×H}, b_α initialised to 1 (the
+per-channel gate's initialisation, so the two variants start from the same decay).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.kernels import gdn
+from linjax.layers import Trainable, torch_linear_init
+from linjax.mixers.gdn import Beta
+from linjax.mixers.linear import LinearMixer
+
+
+class GDNScalar(LinearMixer):
+    kernel = gdn
+
+    def __init__(self, proj, settings, *, rngs: nnx.Rngs):
+        super().__init__(proj, settings, rngs=rngs)
+        hidden, heads = proj.q_proj.kernel.shape[0], proj.num_heads
+        self.gate_weight = Trainable(torch_linear_init(rngs.params(), (hidden, heads), hidden))
+        self.gate_bias = Trainable(jnp.ones((heads,), jnp.float32))
+        self.beta = Beta(hidden, heads, rngs=rngs)
+
+    def gates(self, h, k):
+        log_alpha = jax.nn.log_sigmoid(h.astype(jnp.float32) @ self.gate_weight[...] + self.gate_bias[...])
+        return log_alpha, self.beta(h)

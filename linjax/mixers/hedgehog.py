@@ -1,0 +1,49 @@
+"""Hedgehog: normalised linear attention with learned feature maps (paper, sec. 3.1.1).
+
+    y_t = φ(q_t)ᵀ S_t / φ(q_t)ᵀ z_t,  S_t = Σ φ(k_i) v_iᵀ,  z_t = Σ φ(k_i)
+    φ(x) = softmax(x W + b) ⊕ softmax(−(x W + b))
+
+One map for queries and one for keys per layer, each W ∈ R^{D×D} shared by the
+heads and initialised to the identity (b to zero), as FLA's HedgehogFeatureMap.
+With a window, the softmax and linear parts share one normaliser (LoLCATs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.kernels import linear_attn
+from linjax.layers import Trainable
+from linjax.mixers.linear import LinearMixer
+
+
+class FeatureMap(nnx.Module):
+    def __init__(self, head_dim: int):
+        self.weight = Trainable(jnp.eye(head_dim, dtype=jnp.float32))
+        self.bias = Trainable(jnp.zeros((head_dim,), jnp.float32))
+
+    def __call__(self, x):
+        z = x.astype(jnp.float32) @ self.weight[...] + self.bias[...]
+        return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1).astype(x.dtype)
+
+
+class Hedgehog(LinearMixer):
+    kernel = linear_attn
+    normalized = True
+    linear_scale = 1.0  # φ(q)ᵀφ(k) is already the kernel's similarity
+
+    def __init__(self, proj, settings, *, rngs: nnx.Rngs):
+        super().__init__(proj, settings, rngs=rngs)
+        self.query_map = FeatureMap(proj.head_dim)
+        self.key_map = FeatureMap(proj.head_dim)
+
+    def feature_dim(self) -> int:
+        return 2 * self.proj.head_dim
+
+    def features(self, q, k):
+        return self.query_map(q), self.key_map(k)
+
+    def gates(self, h, k):
+        return ()

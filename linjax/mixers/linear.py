@@ -1,0 +1,180 @@
+"""What every linear mixer shares: the frozen projections, adapters, sinks + window, and decode states.
+
+A linear mixer computes (paper, sec. 4)
+
+    y_t = q_t S_{s:t-w} + softmax-attention(q_t; positions in I_t)
+
+with I_t the s sink tokens and the w most recent ones, so every past token
+reaches y_t exactly once. With w = s = 0 it is pure linear attention, the
+paper's strict setting. The softmax part uses the pretrained queries and keys
+as they are (post-RoPE), so inside the window the mixer is the original
+attention; the linear part uses them after the short convolution (if any)
+and the mechanism's feature transform (L2 normalisation, or Hedgehog's maps).
+
+A subclass (one file per mechanism) provides the new parameters, `gates(h, k)`
+and `features(q, k)`, and names its kernel module in `linjax.kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.adapters import LoRA, ShortConv
+from linjax.kernels import swa
+from linjax.layers import AttentionProjections
+
+
+class LinearState(NamedTuple):
+    """Decode state of a linear mixer; its size does not depend on the context length."""
+
+    linear: jax.Array  # the kernel's state [B, H, Dk', Dv'] (fp32)
+    length: jax.Array  # [] int32, tokens consumed
+    conv: tuple | None  # short-conv caches for q, k, v: [B, K-1, channels]
+    window: swa.WindowCache | None  # pretrained keys/values of the sinks and the window
+    shifted: tuple | None  # rings [B, w, ...] of the linear inputs (k', v', *gates) still in the window
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / ‖x‖ over the last axis, in fp32 (as FLA's l2norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class LinearMixer(nnx.Module):
+    """Base class: subclasses set `kernel` and implement `gates` (and `features` if not L2)."""
+
+    kernel = None  # a module of linjax.kernels with reference/chunked/step/pallas
+    normalized = False  # True for normalised linear attention (Hedgehog): shares the softmax normaliser
+    linear_scale = None  # the kernel's scale (None: Dk^-1/2)
+
+    def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
+        """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig."""
+        self.proj = proj
+        self.window, self.sinks = settings.window, settings.sinks
+        self.combine = settings.combine
+        self.chunk = settings.chunk
+        self.use_pallas = settings.kernel == "pallas"
+        heads, kv_heads, head_dim = proj.num_heads, proj.num_kv_heads, proj.head_dim
+        self.lora = (LoRA(proj, rank=settings.lora_rank, alpha=settings.lora_alpha, rngs=rngs)
+                     if settings.adapter == "lora" else None)
+        self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel, rngs=rngs)
+                     if settings.adapter == "shortconv" else None)
+
+    # ---------------------------------------------------------------- per mechanism
+
+    def features(self, q, k):
+        """q, k after RoPE (and short conv) → the kernel's q, k. Default: L2 normalisation."""
+        return l2_normalize(q), l2_normalize(k)
+
+    def gates(self, h, k):
+        """Gate arrays for the kernel, computed from the block input h [B,T,d] (k: the kernel's keys)."""
+        raise NotImplementedError
+
+    def feature_dim(self) -> int:
+        return self.proj.head_dim
+
+    # ---------------------------------------------------------------- shared machinery
+
+    def _run_kernel(self, q, k, v, gates, state, decode: bool):
+        """(output or numerator, new state, normaliser or None) from the mechanism's kernel."""
+        extra = {"normalize": False} if self.normalized else {}
+        if self.linear_scale is not None:
+            extra["scale"] = self.linear_scale
+        if decode:
+            out = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state, **extra)
+            out = (out[0][:, None],) + tuple(out[1:])
+            if self.normalized:
+                out = (out[0], out[1], out[2][:, None])
+        else:
+            run = self.kernel.pallas if self.use_pallas else self.kernel.chunked
+            out = run(q, k, v, *gates, initial_state=state, chunk=self.chunk, **extra)
+        return (out[0], out[1], out[2] if self.normalized else None)
+
+    def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> LinearState:
+        del max_length  # a linear layer's state does not grow with the context
+        proj = self.proj
+        heads, kv_heads, head_dim = proj.num_heads, proj.num_kv_heads, proj.head_dim
+        value_dim = head_dim + (1 if self.normalized else 0)
+        linear = jnp.zeros((batch, heads, self.feature_dim(), value_dim), jnp.float32)
+        conv = None if self.conv is None else self.conv.empty_caches(
+            batch, heads * head_dim, kv_heads * head_dim, dtype)
+        window = shifted = None
+        if self.window:
+            window = swa.empty_cache(batch, kv_heads, head_dim, head_dim, sinks=self.sinks,
+                                     window=self.window, dtype=dtype)
+            # One ring per linear input, shaped like a single time step of it.
+            shapes = self._shifted_shapes(batch, dtype)
+            shifted = tuple(jnp.zeros((batch, self.window) + s.shape[2:], s.dtype) for s in shapes)
+        return LinearState(linear, jnp.zeros((), jnp.int32), conv, window, shifted)
+
+    def _shifted_shapes(self, batch, dtype):
+        """Shapes of (k', v', *gates) for one token, found by tracing the mixer's own transforms."""
+        d = self.proj.q_proj.kernel.shape[0]
+
+        def one_token(h):
+            positions = jnp.zeros((batch, 1), jnp.int32)
+            q, k, v = self.proj.qkv(h, positions, self.lora)
+            q, k = self.features(q, k)
+            return (k, v) + tuple(self.gates(h, k))
+
+        return jax.eval_shape(one_token, jax.ShapeDtypeStruct((batch, 1, d), dtype))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, state: LinearState | None = None):
+        b, t, _ = x.shape
+        decode = state is not None and t == 1
+        q, k, v = self.proj.qkv(x, positions, self.lora)
+        softmax_q, softmax_k, softmax_v = q, k, v
+        conv_state = None
+        if self.conv is not None:
+            (q, k, v), conv_state = self.conv(q, k, v, None if state is None else state.conv)
+        q, k = self.features(q, k)
+        gates = tuple(self.gates(x, k))
+        start = jnp.zeros((), jnp.int32) if state is None else state.length
+
+        window_state = shifted_state = None
+        linear_inputs = (k, v) + gates
+        if self.window:
+            history = None if state is None else tuple(
+                swa.unroll_ring(ring, start) for ring in state.shifted)
+            linear_inputs = swa.shifted_linear_inputs(*linear_inputs, sinks=self.sinks, window=self.window,
+                                                      history=history, start=start)
+            if state is not None:
+                shifted_state = tuple(swa.write_ring(ring, xs, start)
+                                      for ring, xs in zip(state.shifted, (k, v) + gates))
+        lin_k, lin_v, *lin_gates = linear_inputs
+        lin_out, linear_state, normaliser = self._run_kernel(
+            q, lin_k, lin_v, lin_gates, None if state is None else state.linear, decode)
+
+        if self.window:
+            if state is None:
+                parts = swa.chunked(softmax_q, softmax_k, softmax_v, sinks=self.sinks, window=self.window,
+                                    chunk=self.chunk)
+            elif decode:
+                parts, window_state = swa.step(softmax_q[:, 0], softmax_k[:, 0], softmax_v[:, 0], state.window)
+                parts = jax.tree.map(lambda a: a[:, None], parts)
+            else:
+                parts, window_state = swa.prefill(softmax_q, softmax_k, softmax_v, state.window, chunk=self.chunk)
+            y = self._combine(lin_out, normaliser, parts)
+        elif self.normalized:
+            y = lin_out / (normaliser[..., None] + 1e-10)
+        else:
+            y = lin_out
+        out = self.proj.out(y.astype(x.dtype), self.lora)
+        if state is None:
+            return out
+        return out, LinearState(linear_state, start + t, conv_state, window_state, shifted_state)
+
+    def _combine(self, lin_out, normaliser, parts: swa.SoftmaxParts):
+        lin_out = lin_out.astype(jnp.float32)
+        if self.normalized and self.combine == "sum":
+            # One shared normaliser over both parts (LoLCATs).
+            return (parts.numerator + lin_out) / (parts.row_sum + normaliser)[..., None]
+        if self.normalized:
+            lin_out = lin_out / (normaliser[..., None] + 1e-10)
+        if self.combine == "mixed":  # Liger: 0.5 · linear + 0.5 · window
+            return 0.5 * lin_out + 0.5 * parts.normalized()
+        return lin_out + parts.normalized()
