@@ -258,9 +258,9 @@ def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64, inte
     Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
     (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
     the default backend is CPU."""
-    kernel = lambda *a, initial_state: gla_pallas.forward(
-        *a, scale=scale, initial_state=initial_state, chunk=chunk,
-        interpret=gla_pallas.default_interpret(interpret))
-    spec = lambda *a, initial_state: chunked(*a, scale=scale, initial_state=initial_state, chunk=chunk)
-    o, state = gla_pallas.with_chunked_backward(kernel, spec, (q, k, v, log_alpha), initial_state)
+    interpret = gla_pallas.default_interpret(interpret)
+    kernel = lambda *a: gla_pallas.forward(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk,
+                                          interpret=interpret)
+    spec = lambda *a: chunked(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk)
+    o, state = gla_pallas.with_chunked_backward(kernel, spec, q, k, v, log_alpha, initial_state)
     return o.astype(q.dtype), state

@@ -271,33 +271,32 @@ def _gla_call(q, k, v, log_alpha, h0, *, group, chunk, scale, interpret):
 # ------------------------------------------------------------ differentiation
 
 
-def with_chunked_backward(kernel_forward, chunked_forward, arrays, initial_state):
-    """Run `kernel_forward(*arrays, initial_state=...)` with a `jax.custom_vjp`
-    whose backward is the VJP of `chunked_forward` (same arguments, same
-    result).
+def with_chunked_backward(kernel_forward, chunked_forward, *arrays):
+    """`kernel_forward(*arrays)` with a `jax.custom_vjp` whose backward is the
+    VJP of `chunked_forward(*arrays)` (same arguments, same results; entries
+    of `arrays` may be None, e.g. no initial state).
 
-    The Pallas kernel is forward only; the backward recomputes the forward
+    The Pallas kernels are forward only; the backward recomputes the forward
     through the pure-JAX chunked implementation and differentiates that. This
     is exact (both compute the same function) but not fast: a fused backward
-    kernel is future work. Static options must already be bound (e.g. with
+    kernel is future work. Static options must already be bound (a lambda or
     functools.partial).
     """
 
     @jax.custom_vjp
-    def run(arrays, h0):
-        return kernel_forward(*arrays, initial_state=h0)
+    def run(*arrays):
+        return kernel_forward(*arrays)
 
-    def run_fwd(arrays, h0):
-        return run(arrays, h0), (arrays, h0)
+    def run_fwd(*arrays):
+        return run(*arrays), arrays
 
-    def run_bwd(residuals, cotangents):
-        out, vjp = jax.vjp(
-            lambda a, h: chunked_forward(*a, initial_state=h), *residuals)
+    def run_bwd(arrays, cotangents):
+        out, vjp = jax.vjp(chunked_forward, *arrays)
         # The two paths may round outputs to different dtypes (q's vs v's).
         return vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), cotangents, out))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(tuple(arrays), initial_state)
+    return run(*arrays)
 
 
 def default_interpret(interpret):

@@ -303,3 +303,26 @@ def shifted_linear_inputs(k, v, *gates, sinks, window, history=None, start=0):
     keep = (source >= sinks).reshape((1, T) + (1,) * (k.ndim - 2))
     shifted[0] = jnp.where(keep, shifted[0], jnp.zeros((), k.dtype))
     return tuple(shifted)
+
+
+# ------------------------------------------------------------------ Pallas (GPU)
+
+from linjax.kernels import gla_pallas, swa_pallas  # noqa: E402  (appended block; no import cycle)
+
+
+def pallas(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None, interpret=None):
+    """`chunked` as one Pallas (Triton) kernel, see swa_pallas.py; same arguments and
+    SoftmaxParts. Differentiable through a `jax.custom_vjp` whose backward recomputes through
+    `chunked` (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter
+    when the default backend is CPU. Continuing after a `cache` (prefill) is not in the kernel:
+    use `chunked` or `prefill` for that."""
+    if cache is not None:
+        raise NotImplementedError("swa.pallas attends from position 0 only; for a prefill after a "
+                                  "cache use swa.prefill / swa.chunked(..., cache=cache)")
+    check_qkv(q, k, v)
+    _check_budget(sinks, window)
+    interpret = gla_pallas.default_interpret(interpret)
+    kernel = lambda *a: SoftmaxParts(*swa_pallas.forward(
+        *a, sinks=sinks, window=window, scale=scale, block=chunk, interpret=interpret))
+    spec = lambda *a: chunked(*a, sinks=sinks, window=window, scale=scale, chunk=chunk)
+    return gla_pallas.with_chunked_backward(kernel, spec, q, k, v)

@@ -32,8 +32,8 @@ from linjax.kernels.gla_pallas import (
 _MASKED = -1e30  # finite stand-in for −inf in masked scores
 
 
-def _swa_kernel(q_ref, k_ref, v_ref, o_ref, *, block: int, window: int,
-                sinks: int, scale: float):
+def _swa_kernel(q_ref, k_ref, v_ref, num_ref, max_ref, sum_ref, *, block: int,
+                window: int, sinks: int, scale: float):
     q_start = pl.program_id(2) * block
     q = q_ref[...].astype(jnp.float32) * scale                     # [BQ, Dk]
     t = q_start + lax.broadcasted_iota(jnp.int32, (block, block), 0)
@@ -60,7 +60,7 @@ def _swa_kernel(q_ref, k_ref, v_ref, o_ref, *, block: int, window: int,
 
     carry = (jnp.full((block,), _MASKED, jnp.float32),
              jnp.zeros((block,), jnp.float32),
-             jnp.zeros((block, o_ref.shape[-1]), jnp.float32))
+             jnp.zeros((block, num_ref.shape[-1]), jnp.float32))
     n_sink_blocks = min(-(-sinks // block), k_ref.shape[0] // block)
     for kb in range(n_sink_blocks):
         carry = attend(kb, carry, sink_keys)
@@ -70,18 +70,20 @@ def _swa_kernel(q_ref, k_ref, v_ref, o_ref, *, block: int, window: int,
     last = pl.program_id(2)
     carry = lax.fori_loop(first, last + 1,
                           lambda kb, c: attend(kb, c, window_keys), carry)
-    _, l, acc = carry
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    # Unnormalised, as swa.SoftmaxParts: the mixer adds the linear term.
+    num_ref[...], max_ref[...], sum_ref[...] = carry[2], carry[0], carry[1]
 
 
-def forward(q, k, v, *, window: int, sinks: int = 0, scale=None, block=64,
+def forward(q, k, v, *, sinks: int, window: int, scale=None, block=64,
             interpret=False):
     """Sliding-window + sink softmax attention as one Pallas call.
 
     q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] (H a multiple of Hkv; query
     head h reads kv head h // (H // Hkv)); `window` ≥ 1 recent tokens
     (including the current one) plus the first `sinks` positions. Returns
-    o [B,T,H,Dv] in v's dtype. Forward only.
+    (numerator [B,T,H,Dv], row_max [B,T,H], row_sum [B,T,H]), all fp32 and
+    unnormalised as in `swa.SoftmaxParts` (o = numerator / row_sum). Forward
+    only.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, time, heads, dim]; got "
@@ -101,11 +103,11 @@ def forward(q, k, v, *, window: int, sinks: int = 0, scale=None, block=64,
     def prep(x, d):
         return pad_axis(pad_axis(x, 1, Tp), 3, d)
 
-    o = _swa_call(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), group=H // Hkv,
+    num, row_max, row_sum = _swa_call(prep(q, Dkp), prep(k, Dkp), prep(v, Dvp), group=H // Hkv,
                   block=block, window=int(window), sinks=int(sinks),
                   scale=Dk ** -0.5 if scale is None else float(scale),
                   interpret=bool(interpret))
-    return o[:, :T, :, :Dv]
+    return num[:, :T, :, :Dv], row_max[:, :T], row_sum[:, :T]
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -117,14 +119,18 @@ def _swa_call(q, k, v, *, group, block, window, sinks, scale, interpret):
     return pl.pallas_call(
         functools.partial(_swa_kernel, block=block, window=window, sinks=sinks,
                           scale=scale),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Tp, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)),
         grid=(B, H, Tp // block),
         in_specs=[
             pl.BlockSpec((sq, block, sq, Dk), lambda b, h, i: (b, i, h, 0)),
             pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, i: (b, 0, h // group, 0)),
             pl.BlockSpec((sq, Tp, sq, Dv), lambda b, h, i: (b, 0, h // group, 0)),
         ],
-        out_specs=pl.BlockSpec((sq, block, sq, Dv), lambda b, h, i: (b, i, h, 0)),
+        out_specs=(pl.BlockSpec((sq, block, sq, Dv), lambda b, h, i: (b, i, h, 0)),
+                   pl.BlockSpec((sq, block, sq), lambda b, h, i: (b, i, h)),
+                   pl.BlockSpec((sq, block, sq), lambda b, h, i: (b, i, h))),
         compiler_params=triton_params(),
         interpret=interpret,
         name="linjax_swa_sinks_fwd",
