@@ -1,0 +1,219 @@
+"""The Pallas kernels (`<mech>.pallas`, run in the Pallas interpreter on CPU)
+against each mechanism's `reference` recurrence: outputs, final states and
+gradients (the backward recomputes through `chunked`, so the gradient tests
+check the custom_vjp plumbing: cotangent routing, GQA head sums, dtypes,
+a missing initial state).
+
+Interpret-mode compiles cost 1–3 s per kernel shape, so instead of the full
+product T ∈ {1, 15, 64, 200} × Hkv ∈ {1, 2, 4} × D ∈ {16, 64} × initial
+state × dtype (96 cases per mechanism) GLA and GDN run a covering design:
+all 12 (T, Hkv) pairs, each with one of four (D, initial state, dtype)
+patterns forming an orthogonal array, so every pair of values of any two
+axes appears. T = 1, 15, 64 share one compiled kernel (one padded chunk).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linjax.kernels import gdn, gla, gla_pallas, kgla, linear_attn, swa
+from tests.helpers import relative_rms
+
+B, H = 2, 4
+TOL = {"float32": 1e-5, "bfloat16": 5e-3}
+GRAD_TOL = 1e-4
+
+# (D, with initial state, dtype): strength-2 orthogonal array over three binary axes.
+PATTERNS = [(16, False, "float32"), (16, True, "bfloat16"),
+            (64, False, "bfloat16"), (64, True, "float32")]
+GRID = [(T, Hkv, *PATTERNS[(i + j) % 4])
+        for i, T in enumerate((1, 15, 64, 200)) for j, Hkv in enumerate((1, 2, 4))]
+# Beyond the grid: two Dv blocks per head (Dv = 128 > 64), a dimension that is
+# not a power of two (24 → padded to 32), four chunks with extreme gates.
+EXTRA = [(130, 2, (16, 128), True, "float32"), (70, 4, 24, True, "float32")]
+case_id = lambda c: f"T{c[0]}-Hkv{c[1]}-D{c[2]}-{'h0' if c[3] else 'noh0'}-{c[4]}"
+
+
+def make_inputs(seed, T, Hkv, D, with_state, dtype, *, unit_keys=False, gate_spread=2.0):
+    """Random q, k, v (dtype), per-channel log α = log σ(spread·z + 2), β = σ(z), h0 (fp32 or None)."""
+    Dk, Dv = (D, D) if isinstance(D, int) else D
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, H, Dk))
+    k = jax.random.normal(ks[1], (B, T, Hkv, Dk))
+    if unit_keys:  # the delta rule expects L2-normalised keys
+        q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (B, T, Hkv, Dv))
+    log_alpha = jax.nn.log_sigmoid(gate_spread * jax.random.normal(ks[3], (B, T, H, Dk)) + 2.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    h0 = jax.random.normal(ks[5], (B, H, Dk, Dv)) if with_state else None
+    cast = lambda x: x.astype(dtype)
+    return cast(q), cast(k), cast(v), log_alpha, beta, h0
+
+
+def assert_close(actual, expected, tol, what=""):
+    for i, (a, e) in enumerate(zip(jax.tree.leaves(actual), jax.tree.leaves(expected))):
+        err = relative_rms(a, e)
+        assert err <= tol, f"{what} output {i}: relative RMS {err:.2e} > {tol:.0e}"
+
+
+reference = {name: jax.jit(m.reference) for name, m in
+             [("gla", gla), ("gdn", gdn), ("kgla", kgla), ("linear_attn", linear_attn)]}
+swa_reference = jax.jit(swa.reference, static_argnames=("sinks", "window"))
+
+
+# ---------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("case", GRID + EXTRA, ids=case_id)
+def test_gla_forward(case):
+    q, k, v, log_alpha, _, h0 = make_inputs(1, *case)
+    assert_close(gla.pallas(q, k, v, log_alpha, initial_state=h0),
+                 reference["gla"](q, k, v, log_alpha, initial_state=h0), TOL[case[4]])
+
+
+@pytest.mark.parametrize("case", GRID + EXTRA, ids=case_id)
+def test_gdn_forward(case):
+    q, k, v, log_alpha, beta, h0 = make_inputs(2, *case, unit_keys=True)
+    assert_close(gdn.pallas(q, k, v, log_alpha, beta, initial_state=h0),
+                 reference["gdn"](q, k, v, log_alpha, beta, initial_state=h0), TOL[case[4]])
+
+
+@pytest.mark.parametrize("mech", ["gla", "gdn"])
+def test_extreme_gates(mech):
+    """log α spread over (−20, 0]: long-range decays underflow, none may overflow."""
+    q, k, v, log_alpha, beta, h0 = make_inputs(3, 200, 2, 16, True, "float32",
+                                               unit_keys=True, gate_spread=8.0)
+    gates = (log_alpha,) if mech == "gla" else (log_alpha, beta)
+    module = gla if mech == "gla" else gdn
+    out = module.pallas(q, k, v, *gates, initial_state=h0)
+    assert all(np.isfinite(np.asarray(x)).all() for x in out)
+    assert_close(out, reference[mech](q, k, v, *gates, initial_state=h0), TOL["float32"])
+
+
+@pytest.mark.parametrize("case", [GRID[11], GRID[4]], ids=case_id)
+def test_gdn_scalar_gate_forward(case):
+    q, k, v, log_alpha, beta, h0 = make_inputs(4, *case, unit_keys=True)
+    scalar = log_alpha[..., 0]  # [B, T, H]
+    assert_close(gdn.pallas(q, k, v, scalar, beta, initial_state=h0),
+                 reference["gdn"](q, k, v, scalar, beta, initial_state=h0), TOL[case[4]])
+
+
+@pytest.mark.parametrize("case", [GRID[11], GRID[1]], ids=case_id)
+def test_kgla_forward(case):
+    q, k, v, log_alpha, beta, h0 = make_inputs(5, *case, unit_keys=True)
+    assert_close(kgla.pallas(q, k, v, log_alpha, beta, initial_state=h0),
+                 reference["kgla"](q, k, v, log_alpha, beta, initial_state=h0), TOL[case[4]])
+
+
+@pytest.mark.parametrize("case", [(200, 2, 16, True, "float32"), (15, 4, 64, False, "bfloat16")],
+                         ids=case_id)
+def test_linear_attn_forward(case):
+    q, k, v, _, _, _ = make_inputs(6, *case)
+    T, Hkv, D, with_state, _ = case
+    # Positive features, as Hedgehog's softmax feature maps give.
+    q, k = jax.nn.softmax(q.astype(jnp.float32), -1).astype(q.dtype), jax.nn.softmax(k.astype(jnp.float32), -1).astype(k.dtype)
+    h0 = jnp.abs(jax.random.normal(jax.random.PRNGKey(7), (B, H, D, D + 1))) if with_state else None
+    assert_close(linear_attn.pallas(q, k, v, initial_state=h0),
+                 reference["linear_attn"](q, k, v, initial_state=h0), TOL[case[4]])
+
+
+# (T, Hkv, D, sinks, window, dtype): every T, Hkv and D, sinks inside / beyond
+# one block, no sinks, a window wider than T.
+SWA_CASES = [(1, 1, 16, 8, 56, "float32"), (15, 2, 64, 4, 4, "bfloat16"),
+             (64, 4, 16, 0, 64, "float32"), (200, 2, 64, 8, 56, "float32"),
+             (200, 1, 16, 70, 5, "bfloat16"), (130, 4, 64, 0, 1000, "float32")]
+
+
+@pytest.mark.parametrize("case", SWA_CASES, ids=lambda c: "T{}-Hkv{}-D{}-s{}-w{}-{}".format(*c))
+def test_swa_forward(case):
+    T, Hkv, D, sinks, window, dtype = case
+    q, k, v, _, _, _ = make_inputs(8, T, Hkv, D, False, dtype)
+    assert_close(swa.pallas(q, k, v, sinks=sinks, window=window),
+                 swa_reference(q, k, v, sinks=sinks, window=window), TOL[dtype])
+
+
+# --------------------------------------------------------------------- backward
+#
+# fp32 only (the tolerance is for fp32 gradients). Every T, Hkv and D value
+# appears, each with and without an initial state, across the GLA and GDN cases.
+
+BACKWARD = [(1, 4, 64, True), (15, 1, 16, False), (64, 2, 64, False), (200, 2, 16, True)]
+
+
+def check_vjp(pallas_fn, reference_fn, args, seed):
+    """VJPs of both functions with the same random cotangents, compiled with jit."""
+    out = jax.eval_shape(reference_fn, *args)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(jax.tree.leaves(out)))
+    leaves = [jax.random.normal(key, o.shape, o.dtype) for key, o in zip(keys, jax.tree.leaves(out))]
+    cotangent = jax.tree.unflatten(jax.tree.structure(out), leaves)
+    vjp = lambda f: jax.jit(lambda a, ct: jax.vjp(f, *a)[1](ct))
+    assert_close(vjp(pallas_fn)(args, cotangent), vjp(reference_fn)(args, cotangent), GRAD_TOL,
+                 "gradient")
+
+
+@pytest.mark.parametrize("case", BACKWARD, ids=lambda c: "T{}-Hkv{}-D{}-{}".format(*c))
+def test_gla_backward(case):
+    q, k, v, log_alpha, _, h0 = make_inputs(9, *case, "float32")
+    fn = lambda m: lambda *a: m(*a[:4], initial_state=a[4])
+    check_vjp(fn(gla.pallas), fn(gla.reference), (q, k, v, log_alpha, h0), 10)
+
+
+@pytest.mark.parametrize("case", BACKWARD[::-1], ids=lambda c: "T{}-Hkv{}-D{}-{}".format(*c))
+def test_gdn_backward(case):
+    q, k, v, log_alpha, beta, h0 = make_inputs(11, *case, "float32", unit_keys=True)
+    fn = lambda m: lambda *a: m(*a[:5], initial_state=a[5])
+    check_vjp(fn(gdn.pallas), fn(gdn.reference), (q, k, v, log_alpha, beta, h0), 12)
+
+
+def test_gdn_scalar_gate_backward():
+    q, k, v, log_alpha, beta, h0 = make_inputs(13, 70, 2, 16, True, "float32", unit_keys=True)
+    fn = lambda m: lambda *a: m(*a[:5], initial_state=a[5])
+    check_vjp(fn(gdn.pallas), fn(gdn.reference), (q, k, v, log_alpha[..., 0], beta, h0), 14)
+
+
+def test_kgla_backward():
+    q, k, v, log_alpha, beta, h0 = make_inputs(15, 70, 2, 16, True, "float32", unit_keys=True)
+    fn = lambda m: lambda *a: m(*a[:5], initial_state=a[5])
+    check_vjp(fn(kgla.pallas), fn(kgla.reference), (q, k, v, log_alpha, beta, h0), 16)
+
+
+def test_linear_attn_backward():
+    q, k, v, _, _, _ = make_inputs(17, 70, 2, 16, False, "float32")
+    q, k = jax.nn.softmax(q, -1), jax.nn.softmax(k, -1)
+    fn = lambda m: lambda *a: m(*a)
+    check_vjp(fn(linear_attn.pallas), fn(linear_attn.reference), (q, k, v), 18)
+
+
+@pytest.mark.parametrize("sinks, window", [(8, 56), (70, 5)])
+def test_swa_backward(sinks, window):
+    q, k, v, _, _, _ = make_inputs(19, 130, 2, 16, False, "float32")
+    fn = lambda m: lambda *a: m(*a, sinks=sinks, window=window).normalized()
+    check_vjp(fn(swa.pallas), fn(swa.reference), (q, k, v), 20)
+
+
+# ------------------------------------------------------------------ the wrapper
+
+
+def test_interpret_defaults_to_cpu_backend():
+    assert gla_pallas.default_interpret(None) == (jax.default_backend() == "cpu")
+    assert gla_pallas.default_interpret(False) is False
+
+
+def test_bad_inputs_raise_readable_errors():
+    q, k, v, log_alpha, beta, _ = make_inputs(21, 15, 3, 16, False, "float32")
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        gla.pallas(q, k, v, log_alpha)
+    q, k, v, log_alpha, beta, _ = make_inputs(21, 15, 2, 16, False, "float32")
+    with pytest.raises(ValueError, match="log_alpha must be"):
+        gla.pallas(q, k, v, log_alpha[:, :, :2])
+    with pytest.raises(ValueError, match="beta must be"):
+        gdn.pallas(q, k, v, log_alpha, beta[..., :1])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gla.pallas(q, k, v, log_alpha, chunk=24)
+    with pytest.raises(NotImplementedError, match="prefill"):
+        swa.pallas(q, k, v, sinks=2, window=4,
+                   cache=swa.empty_cache(B, 2, 16, 16, sinks=2, window=4))
