@@ -122,9 +122,39 @@ def gguf_tensors(reader, config: dict, path: str = "GGUF file") -> dict[str, np.
     return out
 
 
-def load_gguf_tokenizer(path: str):
-    """The tokenizer embedded in the GGUF file, converted by transformers (slow: ~tens of seconds)."""
-    from transformers import AutoTokenizer
+_SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                       "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path))
+
+def load_gguf_tokenizer(path: str, reader=None):
+    """The tokenizer embedded in the GGUF file, as a `transformers` fast tokenizer.
+
+    transformers' own `from_pretrained(gguf_file=...)` imports torch; linjax must
+    not need torch to load a model, so it reads the metadata with the `gguf`
+    package and hands it to transformers' torch-free GGUF tokenizer builder.
+    """
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    except ImportError:  # another transformers layout: its own loader (needs torch)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                             gguf_file=os.path.basename(path))
+    from transformers import PreTrainedTokenizerFast
+
+    reader = reader or open_gguf(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ValueError(f"{path}: GGUF file has no tokenizer (no 'tokenizer.ggml.tokens')")
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
+    for name, key in _SPECIAL_TOKEN_KEYS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -71,7 +71,7 @@ def convert_gguf_to_hf_directory(path: str, directory: str) -> str:
     reader = gguf.open_gguf(path)
     config = gguf.gguf_hf_config(reader, path)
     tensors = gguf.gguf_tensors(reader, config, path)
-    tokenizer = gguf.load_gguf_tokenizer(path)
+    tokenizer = gguf.load_gguf_tokenizer(path, reader)
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".linjax-gguf-", dir=parent)

@@ -54,3 +54,21 @@ def test_greedy_continuation_matches_transformers(both_models):
     got = generate(ours, jnp.asarray([ids], jnp.int32), 10)[0, len(ids):]
     assert np.asarray(got).tolist() == expected.tolist()
     assert "Berlin" in tokenizer.decode(np.asarray(got))
+
+
+def test_torch_free_gguf_tokenizer_equals_transformers(both_models, shared_data):
+    import os
+
+    from transformers import AutoTokenizer
+
+    from linjax.convert.gguf import load_gguf_tokenizer
+    from linjax.convert.sources import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    ours = load_gguf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    text = open(os.path.join(shared_data, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")).read()[:20000]
+    text += " 12345 <|im_start|>user\nhi<|im_end|>"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert (ours.eos_token, ours.bos_token, ours.chat_template) == (theirs.eos_token, theirs.bos_token,
+                                                                    theirs.chat_template)

@@ -1,0 +1,214 @@
+"""GLA kernels: chunked and step against the reference scan, and the reference against FLA's naive GLA.
+
+The harness here (`random_inputs`, `compare_chunked`, `compare_step`) is
+shared with test_kgla.py and test_linear_attn.py. Each comparison is one
+jitted call per shape that returns outputs, final states and the gradients
+of a random projection of them, for both implementations; XLA's expensive
+CPU passes are switched off for these calls (compile time dominates here).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linjax.kernels import gla, kgla, linear_attn
+from tests.helpers import relative_rms
+from tests.kernels.fla_oracle import fla_naive
+
+MECHANISMS = {"gla": gla, "kgla": kgla, "linear_attn": linear_attn}
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+B, H = 2, 4
+GRID = list(itertools.product([1, 15, 64, 200], [1, 2, 4], [16, 64], [True, False]))
+GRID_IDS = [f"T{T}-Hkv{Hkv}-D{D}-{'init' if init else 'noinit'}" for T, Hkv, D, init in GRID]
+
+
+def random_inputs(mechanism, seed, T, Hkv, D, *, init=True, batch=B, heads=H, log_alpha=None, beta=None):
+    """(args, initial_state): args = (q, k, v, *gates) as the mechanism takes them, fp32.
+
+    GLA: log α = LogSigmoid(N(2, 1)) as the paper's gate. kGLA: the same, L2-normalised
+    keys and β = sigmoid(N(0, 1)). Linear attention: positive softmax features for q, k.
+    """
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(keys[0], (batch, T, heads, D))
+    k = jax.random.normal(keys[1], (batch, T, Hkv, D))
+    v = jax.random.normal(keys[2], (batch, T, Hkv, D))
+    if log_alpha is None:
+        log_alpha = jax.nn.log_sigmoid(2.0 + jax.random.normal(keys[3], (batch, T, heads, D)))
+    if mechanism == "gla":
+        args = (q, k, v, log_alpha)
+    elif mechanism == "kgla":
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        if beta is None:
+            beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, T, heads)))
+        args = (q, k, v, log_alpha, beta)
+    else:
+        args = (jax.nn.softmax(q, axis=-1), jax.nn.softmax(k, axis=-1), v)
+    state = 0.5 * jax.random.normal(keys[5], (batch, heads, D, D)) if init else None
+    if init and mechanism == "linear_attn":  # [S, z] with z a sum of positive features, as a real prefix gives
+        z = jax.random.uniform(keys[4], (batch, heads, D, 1), minval=0.5, maxval=2.0)
+        state = jnp.concatenate([state, z], axis=-1)
+    return args, state
+
+
+def _projected(fn, args, state, key):
+    """Σ_i ⟨P_i, output_i⟩ over all outputs (o, final state[, normaliser]) with fixed random P_i."""
+    outputs = fn(*args, initial_state=state)
+    keys = jax.random.split(key, len(outputs))
+    loss = sum((out.astype(jnp.float32) * jax.random.normal(k, out.shape)).sum() for out, k in zip(outputs, keys))
+    return loss, outputs
+
+
+@functools.partial(jax.jit, static_argnames=("mechanism", "chunk"), compiler_options=FAST_COMPILE)
+def chunked_and_reference(mechanism, args, state, key, chunk=64):
+    """((outputs, grads) of chunked, (outputs, grads) of reference); grads wrt args and the state (if given)."""
+    module = MECHANISMS[mechanism]
+    results = []
+    for fn in (functools.partial(module.chunked, chunk=chunk), module.reference):
+        grad_fn = jax.grad(lambda a, s: _projected(fn, a, s, key), argnums=(0, 1) if state is not None else 0,
+                           has_aux=True)
+        grads, outputs = grad_fn(args, state)
+        results.append((outputs, grads))
+    return results
+
+
+def compare_chunked(mechanism, args, state, *, chunk=64, seed=0, out_tol=1e-5, grad_tol=1e-4, grads=True):
+    """Assert chunked ≈ reference for every output and gradient; returns the worst errors (out, grad)."""
+    (out_c, grad_c), (out_r, grad_r) = chunked_and_reference(mechanism, args, state, jax.random.PRNGKey(seed),
+                                                             chunk=chunk)
+    out_err = max(relative_rms(c, r) for c, r in zip(out_c, out_r))
+    grad_err = max(relative_rms(c, r) for c, r in zip(jax.tree.leaves(grad_c), jax.tree.leaves(grad_r)))
+    for x in jax.tree.leaves((out_c, grad_c)):
+        assert np.isfinite(np.asarray(x, np.float32)).all()
+    assert out_err <= out_tol, f"outputs/states: relative RMS {out_err:.2e} > {out_tol}"
+    if grads:
+        assert grad_err <= grad_tol, f"gradients: relative RMS {grad_err:.2e} > {grad_tol}"
+    return out_err, grad_err
+
+
+@functools.partial(jax.jit, static_argnames=("mechanism",), compiler_options=FAST_COMPILE)
+def stepped(mechanism, args, state):
+    """Run `step` token by token (lax.scan over time), returning (per-token outputs..., final state)."""
+    module = MECHANISMS[mechanism]
+
+    def one_token(S, xs):
+        out = module.step(*xs, state=S)
+        return out[1], (out[0],) + tuple(out[2:])
+
+    state, per_token = jax.lax.scan(one_token, state, tuple(jnp.swapaxes(x, 0, 1) for x in args))
+    return tuple(jnp.swapaxes(x, 0, 1) for x in per_token), state
+
+
+def compare_step(mechanism, args, state, tol=1e-5):
+    (o, *extra), final = stepped(mechanism, args, state)
+    ref = MECHANISMS[mechanism].reference(*args, initial_state=state)
+    errs = [relative_rms(o, ref[0]), relative_rms(final, ref[1])] + [relative_rms(e, r) for e, r in
+                                                                      zip(extra, ref[2:])]
+    assert max(errs) <= tol, errs
+
+
+def compare_split(mechanism, args, state, split, chunk=64):
+    """Running [0, split) then [split, T) from the carried state equals one pass."""
+    module = MECHANISMS[mechanism]
+    whole = module.chunked(*args, initial_state=state, chunk=chunk)
+    first = module.chunked(*(x[:, :split] for x in args), initial_state=state, chunk=chunk)
+    second = module.chunked(*(x[:, split:] for x in args), initial_state=first[1], chunk=chunk)
+    assert relative_rms(jnp.concatenate([first[0], second[0]], axis=1), whole[0]) <= 1e-5
+    assert relative_rms(second[1], whole[1]) <= 1e-5
+
+
+def compare_bf16(mechanism, args, state, tol=5e-3):
+    """bf16 inputs through chunked vs the fp32 reference on the same (rounded) values; output dtype is bf16."""
+    module = MECHANISMS[mechanism]
+    low = tuple(x.astype(jnp.bfloat16) for x in args)
+    out = jax.jit(functools.partial(module.chunked, initial_state=state))(*low)
+    ref = module.reference(*(x.astype(jnp.float32) for x in low), initial_state=state)
+    assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.float32
+    assert relative_rms(out[0], ref[0]) <= tol and relative_rms(out[1], ref[1]) <= tol
+
+
+# ------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("T, Hkv, D, init", GRID, ids=GRID_IDS)
+def test_chunked_matches_reference(T, Hkv, D, init):
+    args, state = random_inputs("gla", T * 131 + Hkv * 7 + D, T, Hkv, D, init=init)
+    compare_chunked("gla", args, state, seed=T + D)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 128])
+def test_other_chunk_sizes(chunk):
+    args, state = random_inputs("gla", chunk, 150, 2, 16)
+    compare_chunked("gla", args, state, chunk=chunk)
+
+
+@pytest.mark.parametrize("T, Hkv", [(15, 2), (70, 4)])
+def test_step_matches_reference(T, Hkv):
+    args, state = random_inputs("gla", 3 + T, T, Hkv, 16)
+    compare_step("gla", args, state)
+
+
+@pytest.mark.parametrize("split", [1, 17, 64, 130, 199])
+def test_split_sequence_equals_one_pass(split):
+    args, state = random_inputs("gla", split, 200, 2, 16)
+    compare_split("gla", args, state, split)
+
+
+@pytest.mark.parametrize("T, init", [(15, False), (200, True)])
+def test_bf16_inputs(T, init):
+    args, state = random_inputs("gla", 11 + T, T, 2, 64, init=init)
+    compare_bf16("gla", args, state)
+
+
+def _extreme_gates(kind, seed, T, D):
+    key_a, key_b = jax.random.split(jax.random.PRNGKey(seed))
+    if kind == "hard":  # every step between −20 and −1000 (near-resets everywhere)
+        return -jax.random.uniform(key_a, (B, T, H, D), minval=20.0, maxval=1000.0)
+    # mild gates with 5% hard resets: exponents that mix −1000 and −0.01 inside one chunk
+    mild = -jax.random.uniform(key_a, (B, T, H, D), maxval=0.05)
+    return jnp.where(jax.random.uniform(key_b, (B, T, H, D)) < 0.05, -1000.0, mild)
+
+
+@pytest.mark.parametrize("kind", ["hard", "resets"])
+def test_extreme_gates_stay_finite_and_exact(kind):
+    T, D = 200, 16
+    base = jax.random.normal(jax.random.PRNGKey(5), (1, 1, 2, D))
+    args, state = random_inputs("gla", 9, T, 2, D, log_alpha=_extreme_gates(kind, 1, T, D))
+    q, k, v, g = args
+    nearly_parallel = base + 1e-3 * k  # keys that all point the same way
+    compare_chunked("gla", (q, nearly_parallel, v, g), state, out_tol=1e-4, grad_tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reference_matches_fla_naive_gla(dtype):
+    torch = pytest.importorskip("torch")
+    naive = fla_naive("gla")
+    T, Hkv, D = 70, 2, 16
+    (q, k, v, g), state = random_inputs("gla", 21, T, Hkv, D)
+    o, final = gla.reference(q, k, v, g, initial_state=state)
+    t = lambda x: torch.tensor(np.asarray(x), dtype=getattr(torch, dtype))
+    rep = lambda x: gla.expand_kv_heads(x, H)  # FLA's naive GLA has no GQA: repeat kv heads as HF does
+    o_fla, final_fla = naive.naive_recurrent_gla(t(q), t(rep(k)), t(rep(v)), t(g), initial_state=t(state),
+                                                 output_final_state=True)
+    assert relative_rms(o, o_fla.numpy()) <= 1e-5
+    assert relative_rms(final, final_fla.numpy()) <= 1e-5
+
+
+def test_bad_inputs_raise_readable_errors():
+    (q, k, v, g), _ = random_inputs("gla", 0, 8, 3, 16, heads=4)  # 4 query heads, 3 kv heads
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        gla.chunked(q, k, v, g)
+    (q, k, v, g), _ = random_inputs("gla", 0, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"batch, time, heads, dim"):
+        gla.reference(q[0], k, v, g)
+    with pytest.raises(ValueError, match="log_alpha"):
+        gla.chunked(q, k, v, g[..., :8])
+    with pytest.raises(ValueError, match="initial_state"):
+        gla.chunked(q, k, v, g, initial_state=jnp.zeros((B, H, 16, 8)))
+    with pytest.raises(ValueError, match="without a time axis"):
+        gla.step(q, k, v, g)

@@ -1,0 +1,197 @@
+"""Linearized models: parameter counts, exactness of kept layers, prefill/decode agreement, states, errors."""
+
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import linjax
+from linjax.config import tiny_config
+from linjax.model import CausalLM
+from tests.helpers import relative_rms
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
+MECHANISMS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
+WINDOWS = {"pure": (0, 0), "swa64": (64, 0), "w56s8": (56, 8)}
+ADAPTERS = (None, "shortconv", "lora")
+
+# The paper's appendix tables (millions of trainable parameters).
+PAPER_COUNTS = [
+    ("llama-3.1-8b", "gla", None, 4.33), ("llama-3.1-8b", "kgla", None, 8.52),
+    ("llama-3.1-8b", "gdn", None, 8.52), ("llama-3.1-8b", "gla", "shortconv", 6.10),
+    ("llama-3.1-8b", "gdn", "shortconv", 10.29), ("llama-3.1-8b", "gla", "lora", 11.15),
+    ("llama-3.1-8b", "gdn", "lora", 15.34), ("qwen3-8b", "gla", None, 4.87),
+    ("qwen3-8b", "gdn", None, 9.59), ("qwen3-8b", "gdn", "shortconv", 11.58),
+    ("qwen3-8b", "gdn", "lora", 17.25),
+]
+
+
+@pytest.mark.parametrize("name,mechanism,adapter,millions", PAPER_COUNTS)
+def test_trainable_counts_match_the_paper(name, mechanism, adapter, millions):
+    path = os.path.join(FIXTURES, f"{name}.json")
+    counts = [linjax.trainable_parameter_count(linjax.abstract_model(
+        path, linjax.LinearizeConfig(mechanism=mechanism, adapter=adapter, window=w, sinks=s)))
+        for w, s in WINDOWS.values()]
+    assert counts[0] == counts[1] == counts[2], "window and sinks must add no parameters"
+    assert abs(counts[0] / 1e6 - millions) <= 0.005 * millions
+
+
+def jitted(model):
+    """Jitted full forward and stateful forward of an NNX model (split once, merged inside jit)."""
+    graphdef, state = nnx.split(model)
+    full = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    stateful = jax.jit(lambda s, t, st: nnx.merge(graphdef, s)(t, states=st))
+    return (lambda t: full(state, t)), (lambda t, st: stateful(state, t, st))
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return {kind: CausalLM(tiny_config(kind, num_hidden_layers=2), rngs=nnx.Rngs(7)) for kind in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def one_layer_models():
+    """One layer is enough for prefill/decode agreement and halves the compile time of the grid."""
+    return {kind: CausalLM(tiny_config(kind, num_hidden_layers=1), rngs=nnx.Rngs(7)) for kind in ("llama", "qwen3")}
+
+
+def tokens_for(model, length, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, model.config.vocab_size, (2, length)), jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("mechanism,window,adapter", list(itertools.product(MECHANISMS, WINDOWS, ADAPTERS)))
+def test_prefill_then_decode_equals_one_pass(one_layer_models, kind, mechanism, window, adapter):
+    w, s = WINDOWS[window]
+    config = linjax.LinearizeConfig(mechanism=mechanism, window=w, sinks=s, adapter=adapter)
+    model = linjax.linearize(one_layer_models[kind], config, seed=3)
+    if adapter == "lora":  # B starts at zero; make the adapter do something
+        for block in model.layers:
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                b = getattr(block.attn.lora, f"{name}_b")
+                b[...] = 0.05 * jax.random.normal(jax.random.key(1), b.shape)
+    full, stateful = jitted(model)
+    # A 40-token prompt (shorter than the window), 30 decode steps across the window's edge, then the
+    # rest of a 150-token sequence as two more 40-token prefills (splits at 70 and 110, not chunk
+    # multiples). Equal piece lengths keep the number of compilations down.
+    T, piece, decoded = 150, 40, 30
+    tokens = tokens_for(model, T)
+    expected = np.asarray(full(tokens))
+    assert np.isfinite(expected).all()
+    states = model.init_states(2, T)
+    pieces = []
+    logits, states = stateful(tokens[:, :piece], states)
+    pieces.append(logits)
+    for i in range(piece, piece + decoded):
+        logits, states = stateful(tokens[:, i:i + 1], states)
+        pieces.append(logits)
+    for start in range(piece + decoded, T, piece):
+        logits, states = stateful(tokens[:, start:start + piece], states)
+        pieces.append(logits)
+    got = np.concatenate([np.asarray(p) for p in pieces], axis=1)
+    assert relative_rms(got, expected) <= 1e-5
+
+
+def test_keeping_every_layer_is_bitwise_the_original(tiny_models):
+    base = tiny_models["qwen3"]
+    config = linjax.LinearizeConfig(mechanism="gdn", keep_full_attention=(0, 1))
+    model = linjax.linearize(base, config)
+    tokens = tokens_for(base, 33)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(base(tokens)))
+    assert linjax.linearize(base, linjax.LinearizeConfig(keep_full_attention=1.0)).layers[0].attn.__class__.__name__ \
+        == "SoftmaxAttention"
+
+
+def test_a_window_covering_the_sequence_is_the_original_attention(tiny_models):
+    # With w ≥ T nothing reaches the linear state, so the output is exact softmax attention.
+    base = tiny_models["llama"]
+    tokens = tokens_for(base, 40, seed=5)
+    for mechanism in MECHANISMS:
+        model = linjax.linearize(base, linjax.LinearizeConfig(mechanism=mechanism, window=40, sinks=0,
+                                                              adapter="shortconv"))
+        assert relative_rms(np.asarray(jitted(model)[0](tokens)), np.asarray(base(tokens))) <= 1e-5, mechanism
+
+
+def test_pretrained_weights_are_shared_not_copied(tiny_models):
+    base = tiny_models["llama"]
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gla", adapter="lora"))
+    assert model.layers[0].attn.proj.q_proj.kernel[...] is base.layers[0].attn.proj.q_proj.kernel[...]
+    assert base.linearize_config is None and type(base.layers[0].attn).__name__ == "SoftmaxAttention"
+    frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(linjax.layers.Trainable)))
+    assert linjax.parameter_count(base) == sum(x.size for x in jax.tree.leaves(frozen))
+
+
+def test_hybrid_layers_fraction_and_indices():
+    config = linjax.LinearizeConfig(mechanism="gdn", keep_full_attention=0.2)
+    assert config.full_attention_layers(30) == (2, 7, 12, 17, 22, 27)  # 6 = 0.2 · 30, slice centres
+    assert linjax.LinearizeConfig(keep_full_attention=[0, -1]).full_attention_layers(4) == (0, 3)
+    from linjax.linearize import mixer_names
+
+    model = linjax.linearize(CausalLM(tiny_config("llama", num_hidden_layers=4), rngs=nnx.Rngs(0)),
+                             linjax.LinearizeConfig(mechanism="gla", keep_full_attention=(1,)))
+    assert mixer_names(model) == ["gla", "softmax", "gla", "gla"]
+    full, stateful = jitted(model)
+    tokens = tokens_for(model, 70)
+    states = model.init_states(2, 70)
+    first, states = stateful(tokens[:, :61], states)
+    second, states = stateful(tokens[:, 61:62], states)
+    third, _ = stateful(tokens[:, 62:], states)
+    got = np.concatenate([np.asarray(x) for x in (first, second, third)], axis=1)
+    assert relative_rms(got, np.asarray(full(tokens))) <= 1e-5
+
+
+def test_linear_decode_states_do_not_grow_with_context(tiny_models):
+    config = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv",
+                                    keep_full_attention=(1,))
+    model = linjax.linearize(tiny_models["qwen3"], config)
+    short, long = model.init_states(1, 128), model.init_states(1, 65536)
+    shapes = lambda s: [x.shape for x in jax.tree.leaves(s)]
+    assert shapes(short[0]) == shapes(long[0])  # the linear layer
+    assert shapes(short[1]) != shapes(long[1])  # the full-attention layer's KV cache grows
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(window=-1), "window and sinks must be ≥ 0"),
+    (dict(sinks=-2), "window and sinks must be ≥ 0"),
+    (dict(window=0, sinks=4), "need a window"),
+    (dict(mechanism="mamba"), "unknown mechanism 'mamba'"),
+    (dict(adapter="dora"), "unknown adapter 'dora'"),
+    (dict(combine="avg"), "unknown combine"),
+    (dict(keep_full_attention=1.5), "fraction must be in"),
+])
+def test_bad_settings_are_refused(settings, match):
+    with pytest.raises(ValueError, match=match):
+        linjax.LinearizeConfig(**settings)
+
+
+def test_layer_index_out_of_range_is_refused(tiny_models):
+    with pytest.raises(ValueError, match=r"layer indices \[5\] out of range for a 2-layer model"):
+        linjax.linearize(tiny_models["llama"], linjax.LinearizeConfig(keep_full_attention=(0, 5)))
+
+
+def test_linearized_checkpoint_round_trip(tiny_models, tmp_path):
+    from linjax.convert.checkpoint import load_checkpoint, save_checkpoint
+
+    config = linjax.LinearizeConfig(mechanism="hedgehog", window=8, sinks=2, adapter="lora",
+                                    keep_full_attention=(0,))
+    model = linjax.linearize(tiny_models["qwen3"], config, seed=4)
+    save_checkpoint(model, str(tmp_path / "ckpt"))
+    restored, _ = load_checkpoint(str(tmp_path / "ckpt"))
+    assert restored.linearize_config == config
+    tokens = tokens_for(model, 20)
+    np.testing.assert_array_equal(np.asarray(jitted(restored)[0](tokens)), np.asarray(jitted(model)[0](tokens)))
+
+
+def test_linearized_generate_is_greedy_under_one_full_pass(tiny_models):
+    model = linjax.linearize(tiny_models["llama"], linjax.LinearizeConfig(mechanism="gdn", window=4, sinks=1))
+    prompt = tokens_for(model, 6, seed=9)
+    out = np.asarray(linjax.generate(model, prompt, 8))
+    np.testing.assert_array_equal(out[:, :6], np.asarray(prompt))
+    # Each generated token is the argmax of a full (stateless) forward over everything before it.
+    full, _ = jitted(model)
+    predicted = np.asarray(full(jnp.asarray(out))).argmax(-1)
+    np.testing.assert_array_equal(out[:, 6:], predicted[:, 5:-1])
