@@ -290,12 +290,14 @@ def with_chunked_backward(kernel_forward, chunked_forward, *arrays):
     def run_fwd(*arrays):
         return run(*arrays), arrays
 
-    def run_bwd(arrays, cotangents):
+    def chunked_vjp(arrays, cotangents):
         out, vjp = jax.vjp(chunked_forward, *arrays)
         # The two paths may round outputs to different dtypes (q's vs v's).
         return vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), cotangents, out))
 
-    run.defvjp(run_fwd, run_bwd)
+    # jit: called eagerly, the backward is one compiled program instead of
+    # op-by-op dispatch; under an outer jit it is simply inlined.
+    run.defvjp(run_fwd, jax.jit(chunked_vjp))
     return run(*arrays)
 
 
