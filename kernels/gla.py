@@ -56,9 +56,15 @@ def check_shape(x, expected, name):
 
 
 def initial_state_or_zeros(initial_state, shape, name="initial_state"):
-    """The given state as fp32 after a shape check, or zeros of `shape`."""
+    """The given state as fp32 after a shape check, or zeros of `shape`.
+
+    The zeros pass an optimization barrier: jaxlib 0.10's CPU "ynn" fusion
+    miscompiles a chunk whose state is a broadcast constant (garbage outputs
+    for Dk = 64 under jit; XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=
+    also avoids it). Keeping the zeros opaque costs nothing.
+    """
     if initial_state is None:
-        return jnp.zeros(shape, jnp.float32)
+        return lax.optimization_barrier(jnp.zeros(shape, jnp.float32))
     check_shape(initial_state, shape, name)
     return initial_state.astype(jnp.float32)
 
