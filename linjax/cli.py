@@ -1,6 +1,7 @@
 """The `linjax` command.
 
     linjax convert SOURCE --out DIR [--format hf|linjax|both] [--dtype bfloat16]
+    linjax linearize SOURCE --mechanism gdn --window 56 --sinks 8 --adapter shortconv --out DIR
     linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
 
 SOURCE is anything `linjax.load` accepts: `smollm2-135m` (the embedded
@@ -34,6 +35,38 @@ def _convert(args):
     n_params = linjax.parameter_count(model)
     print(f"converted {args.source} ({model.config.architecture}, {n_params / 1e6:.1f}M parameters, "
           f"{model.dtype}) → {out}: {' + '.join(written)} in {time.perf_counter() - start:.1f}s")
+
+
+def parse_keep(text: str):
+    """'0,5,9' → (0, 5, 9); '0.2' → 0.2 (a fraction of the layers); '' → ()."""
+    if not text:
+        return ()
+    if "," not in text and "." in text:
+        return float(text)
+    try:
+        return tuple(int(i) for i in text.split(","))
+    except ValueError:
+        raise ValueError(f"--keep-full-attention takes layer indices like '0,5,9' or a fraction like '0.2', "
+                         f"got {text!r}") from None
+
+
+def _linearize(args):
+    import linjax
+    from linjax.convert.checkpoint import save_checkpoint
+
+    config = linjax.LinearizeConfig(
+        mechanism=args.mechanism, window=args.window, sinks=args.sinks, combine=args.combine,
+        adapter=None if args.adapter == "none" else args.adapter,
+        keep_full_attention=parse_keep(args.keep_full_attention))
+    model, tokenizer = linjax.load(args.source, dtype=args.dtype)
+    model = linjax.linearize(model, config, seed=args.seed)
+    save_checkpoint(model, args.out, tokenizer)
+    from linjax.linearize import mixer_names
+
+    names = mixer_names(model)
+    print(f"linearized {args.source}: {names.count(args.mechanism)}/{len(names)} layers {args.mechanism}, "
+          f"window {config.window}, sinks {config.sinks}, adapter {config.adapter}; "
+          f"{linjax.trainable_parameter_count(model) / 1e6:.2f}M new parameters (untrained) → {args.out}")
 
 
 def _generate(args):
@@ -82,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_convert)
 
+    p = sub.add_parser("linearize", help="replace attention with a linear mechanism (untrained) and save")
+    p.add_argument("source")
+    p.add_argument("--mechanism", default="gdn", help="gla | kgla | gdn | gdn_scalar | hedgehog")
+    p.add_argument("--window", type=int, default=56)
+    p.add_argument("--sinks", type=int, default=8)
+    p.add_argument("--combine", default="sum", help="sum (the paper) | mixed (Liger's 0.5/0.5)")
+    p.add_argument("--adapter", default="none", help="none | shortconv | lora")
+    p.add_argument("--keep-full-attention", default="", help="layer indices '0,5' or a fraction '0.2'")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=_linearize)
+
     p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")
     p.add_argument("source")
     p.add_argument("--prompt", required=True)
@@ -96,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

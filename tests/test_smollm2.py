@@ -72,3 +72,22 @@ def test_torch_free_gguf_tokenizer_equals_transformers(both_models, shared_data)
     assert ours(text)["input_ids"] == theirs(text)["input_ids"]
     assert (ours.eos_token, ours.bos_token, ours.chat_template) == (theirs.eos_token, theirs.bos_token,
                                                                     theirs.chat_template)
+
+
+def test_linearized_smollm2_is_finite_at_2048_and_generates(both_models, shared_data):
+    import os
+
+    ours, _, tokenizer = both_models
+    config = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv")
+    model = linjax.linearize(ours, config)
+    text = open(os.path.join(shared_data, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")).read()
+    ids = tokenizer(text[:20000])["input_ids"][:2048]
+    assert len(ids) == 2048
+    from flax import nnx
+    import jax
+
+    graphdef, state = nnx.split(model)
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray([ids], jnp.int32))
+    assert logits.shape == (1, 2048, model.config.vocab_size) and bool(jnp.isfinite(logits).all())
+    out = linjax.generate(model, jnp.asarray([ids[:100]], jnp.int32), 5)
+    assert out.shape == (1, 105)
