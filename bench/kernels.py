@@ -1,0 +1,318 @@
+"""CPU benchmark of the linear-attention kernels against their baselines.
+
+    python bench/kernels.py            # full: D ∈ {64, 128}, T ∈ {512 … 16384}
+    python bench/kernels.py --quick    # D = 64, T ∈ {512, 1024}
+
+Times the forward and the forward+backward of GDN (Kimi form, per-channel
+gate) and GLA at B = 1, H = 8:
+
+    linjax chunked     kernels.<mech>.chunked, jitted (the training path)
+    linjax reference   kernels.<mech>.reference, the fp32 lax.scan spec, jitted
+    FLA naive          fla/ops/kda/naive.py naive_chunk_kda (GDN) and
+                       fla/ops/gla/naive.py naive_recurrent_gla (GLA), PyTorch
+and causal softmax attention as the quadratic baseline:
+    torch SDPA         torch.nn.functional.scaled_dot_product_attention(is_causal=True)
+    XLA attention      jax.nn.dot_product_attention(is_causal=True, implementation="xla")
+
+Each time is the median of a few calls after one warm-up call (which
+includes compilation), with block_until_ready / torch's synchronous CPU ops.
+A method is skipped at a size where one call is predicted (power law fitted
+to its two previous sizes) to take over 60 s, or where its memory estimate
+exceeds half the available RAM. The Pallas kernels are not timed here: on
+CPU they only run in the interpreter.
+
+GFLOP/s use nominal FLOP counts (see `flops`), the same count for every
+implementation of one mechanism, next to the fp32 matmul rate measured
+with jnp at the start. Prints a Markdown table; writes JSON (default
+bench/results/kernels.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+LIMIT_S = 60.0
+CHUNK = 64
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="D = 64, T ∈ {512, 1024} only")
+    p.add_argument("--out", default="bench/results/kernels.json", help="JSON results path")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads for torch and XLA (default: all cores)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+# XLA's CPU client sizes its thread pool from the visible cores; restrict both
+# frameworks to the same cores so the comparison is fair.
+if ARGS.threads < os.cpu_count() and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, set(range(ARGS.threads)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from linjax.kernels import gdn, gla  # noqa: E402
+
+torch.set_num_threads(ARGS.threads)
+
+
+def fla_naive(sub: str):
+    """fla/ops/<sub>/naive.py loaded by path (`import fla` needs triton)."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", sub, "naive.py")
+    module_spec = importlib.util.spec_from_file_location(f"fla_naive_{sub}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def median_time(call, block):
+    """Warm-up call (compile), then the median of 3 timed calls; 1 call if the
+    warm-up took over 5 s, none over 20 s (then the warm-up is the time:
+    compilation is small beside it)."""
+    t0 = time.perf_counter()
+    block(call())
+    first = time.perf_counter() - t0
+    if first > 20:
+        return first
+    times = []
+    for _ in range(3 if first < 5 else 1):
+        t0 = time.perf_counter()
+        block(call())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def jax_block(x):
+    jax.block_until_ready(x)
+
+
+def torch_block(x):
+    return x  # CPU torch ops are synchronous
+
+
+def matmul_gflops(n=2048):
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n ** 3 / median_time(lambda: f(a), jax_block) / 1e9
+
+
+def flops(mech, T, D, H=8):
+    """Nominal forward FLOPs (B = 1). Chunked linear attention with chunk C per
+    token and head: q·S and the state update 4·D², intra-chunk QKᵀ and A·V
+    2·C·2D; GDN adds K·Kᵀ (2·C·D), (K⊙Γ)·S (2·D²) and the triangular solve
+    (C·D). Causal softmax: 2·T²·D per head. Backward counted as 2× forward."""
+    C = CHUNK
+    per_token = {"gla": 4 * D * D + 4 * C * D,
+                 "gdn": 6 * D * D + 6 * C * D + C * D}
+    if mech == "softmax":
+        return 2.0 * T * T * D * H
+    return float(per_token[mech]) * T * H
+
+
+# ------------------------------------------------------------------ methods
+
+
+def jax_inputs(mech, T, D, H=8, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (1, T, H, D))
+    k = jax.random.normal(ks[1], (1, T, H, D))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (1, T, H, D))
+    log_alpha = jax.nn.log_sigmoid(jax.random.normal(ks[3], (1, T, H, D)) + 4.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H)))
+    if mech == "gdn":
+        return (q, k, v, log_alpha, beta)
+    if mech == "gla":
+        return (q, k, v, log_alpha)
+    return (q, k, v)
+
+
+def jax_method(fn, args):
+    """(forward call, forward+backward call) of a jax function returning o first."""
+    fwd = jax.jit(lambda *a: _first(fn(*a)))
+    do = jax.random.normal(jax.random.PRNGKey(1), args[2].shape)
+    loss = lambda *a: jnp.sum(_first(fn(*a)) * do)
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+    return (lambda: fwd(*args)), (lambda: grad(*args)), jax_block
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def torch_method(fn, args):
+    """(forward call, forward+backward call) of a torch function returning o first."""
+    leaves = [torch.from_numpy(np.array(a)) for a in args]
+    do = torch.randn_like(leaves[2])
+
+    def forward():
+        with torch.no_grad():
+            return _first(fn(*leaves))
+
+    def forward_backward():
+        inputs = [x.detach().requires_grad_(True) for x in leaves]
+        (_first(fn(*inputs)) * do).sum().backward()
+        return inputs[0].grad
+
+    return forward, forward_backward, torch_block
+
+
+def methods(mech, D):
+    """name → (builder(args) -> (fwd, fwd+bwd, block), memory estimate(T, backward) in bytes)."""
+    H = 8
+    none = lambda T, backward: 0.0
+    # [H, D, D] fp32 states saved per token for the backward
+    state_per_step = lambda T, backward: 2 * 4.0 * T * H * D * D if backward else 0.0
+    # [H, T, T] fp32 scores and probabilities (and their gradients)
+    scores = lambda T, backward: (3 if backward else 2) * 4.0 * H * T * T
+    if mech == "softmax":
+        attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                            implementation="xla")
+        sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+        return {"torch SDPA": (lambda a: torch_method(sdpa, a), none),
+                "XLA attention": (lambda a: jax_method(attn, a), scores)}
+    module = gdn if mech == "gdn" else gla
+    table = {"linjax chunked": (lambda a: jax_method(module.chunked, a), none),
+             "linjax reference": (lambda a: jax_method(module.reference, a), state_per_step)}
+    if mech == "gdn" and (kda := fla_naive("kda")) is not None:
+        table["FLA naive_chunk_kda"] = (
+            lambda a: torch_method(lambda q, k, v, g, b: kda.naive_chunk_kda(q, k, v, g, b), a),
+            # its 64-step Python loops keep [T, H, D] fp32 temporaries per step for autograd
+            lambda T, backward: (3 * 64 if backward else 2) * 4.0 * T * H * D)
+    if mech == "gla" and (naive_gla := fla_naive("gla")) is not None:
+        table["FLA naive_recurrent_gla"] = (
+            lambda a: torch_method(naive_gla.naive_recurrent_gla, a), state_per_step)
+    return table
+
+
+def available_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024
+    return float("inf")
+
+
+def predicted(history, T):
+    """Time at T from a power law through the last two (T, seconds) points (one point: linear)."""
+    if not history:
+        return 0.0
+    if len(history) == 1:
+        (T1, t1), = history
+        return t1 * T / T1
+    (T1, t1), (T2, t2) = history[-2:]
+    p = min(max(math.log(max(t2, 1e-9) / max(t1, 1e-9)) / math.log(T2 / T1), 1.0), 3.0)
+    return t2 * (T / T2) ** p
+
+
+# ------------------------------------------------------------------ main
+
+
+def main():
+    Ds = [64] if ARGS.quick else [64, 128]
+    Ts = [512, 1024] if ARGS.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    peak = matmul_gflops()
+    machine = {"cpu_count": os.cpu_count(), "threads": ARGS.threads,
+               "processor": platform.processor() or platform.machine(),
+               "jax": jax.__version__, "torch": torch.__version__,
+               "fp32_matmul_gflops": round(peak, 1),
+               "thread_note": f"torch.set_num_threads({ARGS.threads}); XLA CPU uses its default "
+                              f"pool over the same {ARGS.threads} visible cores"}
+    print(f"fp32 matmul (jnp, 2048²): {peak:.1f} GFLOP/s; threads: {ARGS.threads}", file=sys.stderr)
+    rows = []
+    for mech in ["gdn", "gla", "softmax"]:
+        for D in Ds:
+            for name, (build, memory) in methods(mech, D).items():
+                history = {"fwd": [], "fwd+bwd": []}
+                for T in Ts:
+                    args = jax_inputs(mech, T, D)
+                    fwd, fwd_bwd, block = build(args)
+                    row = {"mechanism": mech, "impl": name, "D": D, "T": T}
+                    for mode, call in [("fwd", fwd), ("fwd+bwd", fwd_bwd)]:
+                        if predicted(history[mode], T) > LIMIT_S:
+                            row[mode] = "skipped (>60 s)"
+                        elif memory(T, mode == "fwd+bwd") > available_bytes() / 2:
+                            row[mode] = "skipped (memory)"
+                        else:
+                            seconds = median_time(call, block)
+                            history[mode].append((T, seconds))
+                            work = flops(mech, T, D) * (3 if mode == "fwd+bwd" else 1)
+                            row[mode] = round(seconds, 5)
+                            row[mode + " GFLOP/s"] = round(work / seconds / 1e9, 2)
+                    print(f"{mech:7s} {name:24s} D={D:<4d} T={T:<6d} fwd={row['fwd']} "
+                          f"fwd+bwd={row['fwd+bwd']}", file=sys.stderr, flush=True)
+                    rows.append(row)
+    report = {"machine": machine, "rows": rows, "targets": targets(rows)}
+    os.makedirs(os.path.dirname(ARGS.out) or ".", exist_ok=True)
+    with open(ARGS.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(markdown(report))
+    print(f"\nwrote {ARGS.out}", file=sys.stderr)
+
+
+def lookup(rows, mech, impl, D, T, mode):
+    for r in rows:
+        if (r["mechanism"], r["impl"], r["D"], r["T"]) == (mech, impl, D, T):
+            value = r.get(mode)
+            return value if isinstance(value, float) else None
+    return None
+
+
+def targets(rows):
+    """The issue's speed targets for chunked GDN (D = 128 where measured, else 64)."""
+    D = 128 if lookup(rows, "gdn", "linjax chunked", 128, 1024, "fwd") else 64
+    g = lambda impl, T, mode="fwd", mech="gdn": lookup(rows, mech, impl, D, T, mode)
+    ratio = lambda a, b: None if a is None or b is None else round(a / b, 2)
+    out = {
+        f"chunked GDN fwd at T=4096, D={D} (s; about 0.1)": g("linjax chunked", 4096),
+        "FLA naive_chunk_kda / chunked, fwd at T=4096 (≥ 20)":
+            ratio(g("FLA naive_chunk_kda", 4096), g("linjax chunked", 4096)),
+        "SDPA / chunked GDN, fwd at T=4096 (≥ 2.5)":
+            ratio(g("torch SDPA", 4096, mech="softmax"), g("linjax chunked", 4096)),
+        "SDPA / chunked GDN, fwd at T=16384 (≥ 10)":
+            ratio(g("torch SDPA", 16384, mech="softmax"), g("linjax chunked", 16384)),
+        "scan reference / chunked GDN, fwd+bwd at T=4096 (≥ 5)":
+            ratio(g("linjax reference", 4096, "fwd+bwd"), g("linjax chunked", 4096, "fwd+bwd")),
+        "chunked GDN fwd time(16384) / time(1024) (≤ 20)":
+            ratio(g("linjax chunked", 16384), g("linjax chunked", 1024)),
+    }
+    return out
+
+
+def markdown(report):
+    m = report["machine"]
+    lines = [f"CPU: {m['cpu_count']} cores ({m['processor']}), threads {m['threads']} for torch and "
+             f"XLA; measured fp32 matmul {m['fp32_matmul_gflops']} GFLOP/s; jax {m['jax']}, "
+             f"torch {m['torch']}. B = 1, H = 8, fp32.", "",
+             "| mechanism | implementation | D | T | fwd (s) | fwd GFLOP/s | fwd+bwd (s) | fwd+bwd GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['mechanism']} | {r['impl']} | {r['D']} | {r['T']} | {r['fwd']} | "
+                     f"{r.get('fwd GFLOP/s', '')} | {r['fwd+bwd']} | {r.get('fwd+bwd GFLOP/s', '')} |")
+    lines += ["", "| target | measured |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in report["targets"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
