@@ -1,0 +1,91 @@
+"""kGLA kernels: chunked and step against the reference (which applies α ⊙ max(1 − βk², floor) per step
+without logs), and the reference against FLA's naive GLA run on the combined log-gate."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linjax.kernels import gla, kgla
+from tests.helpers import relative_rms
+from tests.kernels.fla_oracle import fla_naive
+from tests.kernels.test_gla import (B, H, REDUCED_GRID, REDUCED_IDS, compare_bf16, compare_chunked, compare_split,
+                                    compare_step, random_inputs)
+
+
+@pytest.mark.parametrize("T, Hkv, D, init", REDUCED_GRID, ids=REDUCED_IDS)
+def test_chunked_matches_reference(T, Hkv, D, init):
+    args, state = random_inputs("kgla", T * 17 + Hkv * 5 + D, T, Hkv, D, init=init)
+    compare_chunked("kgla", args, state, seed=T + 2 * D)
+
+
+@pytest.mark.parametrize("T, Hkv", [(15, 1), (70, 2)])
+def test_step_matches_reference(T, Hkv):
+    args, state = random_inputs("kgla", 40 + T, T, Hkv, 16)
+    compare_step("kgla", args, state)
+
+
+@pytest.mark.parametrize("split", [1, 64, 150])
+def test_split_sequence_equals_one_pass(split):
+    args, state = random_inputs("kgla", 50 + split, 200, 2, 16)
+    compare_split("kgla", args, state, split)
+
+
+def test_bf16_inputs():
+    args, state = random_inputs("kgla", 77, 130, 2, 64)
+    compare_bf16("kgla", args, state)
+
+
+@pytest.mark.parametrize("beta_value", [1e-4, 0.999])
+@pytest.mark.parametrize("gate", ["mild", "hard"])
+def test_extreme_beta_gates_and_parallel_keys(beta_value, gate):
+    """β at 1e-4 / 0.999, log α per step in [−1000, −20] or mild, keys nearly parallel (and some one-hot,
+    where 1 − βk² = 0.001 is close to the floor)."""
+    T, D = 200, 16
+    key_a, key_b, key_c = jax.random.split(jax.random.PRNGKey(3), 3)
+    log_alpha = (-jax.random.uniform(key_a, (B, T, H, D), minval=20.0, maxval=1000.0) if gate == "hard"
+                 else jax.nn.log_sigmoid(3.0 + jax.random.normal(key_a, (B, T, H, D))))
+    (q, k, v, _, _), state = random_inputs("kgla", 8, T, 2, D, log_alpha=log_alpha,
+                                           beta=jnp.full((B, T, H), beta_value))
+    base = jax.random.normal(key_b, (1, 1, 2, D))
+    k = base + 1e-3 * k
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    k = k.at[:, ::7].set(jax.nn.one_hot(jax.random.randint(key_c, (B, T // 7 + 1, 2), 0, D), D))
+    compare_chunked("kgla", (q, k, v, log_alpha, jnp.full((B, T, H), beta_value)), state,
+                    out_tol=1e-4, grad_tol=1e-4)
+
+
+def test_erase_factor_is_floored():
+    """β k² ≥ 1 would make the decay ≤ 0 (log −∞): it is floored at `floor`, finite in value and gradient."""
+    (q, k, v, g, _), state = random_inputs("kgla", 4, 20, 4, 16)
+    k = 2.0 * jax.nn.one_hot(jnp.zeros((B, 20, 4), int), 16)  # k² = 4 on channel 0
+    beta = jnp.ones((B, 20, H))
+    gate = kgla.key_log_gate(g, beta, gla.expand_kv_heads(k, H))
+    assert np.allclose(gate[..., 0] - g[..., 0], np.log(kgla.KEY_GATE_FLOOR), atol=0.02)  # 1 − (1 − floor) in fp32
+    compare_chunked("kgla", (q, k, v, g, beta), state)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reference_matches_fla_naive_gla_on_combined_gate(dtype):
+    """FLA has no kGLA; its naive GLA with gk = log α + log(1 − βk²) is the same recurrence.
+    (FLA's KDA is the full delta rule (I − β k kᵀ), not this diagonal form.)"""
+    torch = pytest.importorskip("torch")
+    naive = fla_naive("gla")
+    (q, k, v, g, beta), state = random_inputs("kgla", 31, 70, 2, 16)
+    o, final = kgla.reference(q, k, v, g, beta, initial_state=state)
+    k_h, v_h = gla.expand_kv_heads(k, H), gla.expand_kv_heads(v, H)
+    combined = np.asarray(g, np.float64) + np.log1p(-np.asarray(beta, np.float64)[..., None]
+                                                   * np.asarray(k_h, np.float64) ** 2)
+    t = lambda x: torch.tensor(np.asarray(x), dtype=getattr(torch, dtype))
+    o_fla, final_fla = naive.naive_recurrent_gla(t(q), t(k_h), t(v_h), t(combined), initial_state=t(state),
+                                                 output_final_state=True)
+    assert relative_rms(o, o_fla.numpy()) <= 1e-5
+    assert relative_rms(final, final_fla.numpy()) <= 1e-5
+
+
+def test_bad_beta_shape_raises():
+    (q, k, v, g, beta), _ = random_inputs("kgla", 0, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"beta \(\[B, T, H\]\)"):
+        kgla.chunked(q, k, v, g, beta[..., :2])
