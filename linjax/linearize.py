@@ -11,6 +11,8 @@ all of type `linjax.layers.Trainable`, which is what training optimises.
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 from flax import nnx
 
 from linjax.layers import Trainable
