@@ -4,7 +4,7 @@ Kimi form with a per-channel gate:
     S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t.
 
 Writing S_t = Diag(α_t) S_{t-1} + k_t u_tᵀ with u_t = β_t (v_t − (Diag(α_t)
-S_{t-1})ᵀ k_t), and with G the chunk-local cumsum of log α (Γ = exp(G)), the
+S_{t-1})ᵀ k_t), and with G the cumulative log α from the chunk start (Γ = exp(G)), the
 u's of one chunk solve a unit lower-triangular system
 
     (I + A) U = Diag(β) (V − (K ⊙ Γ) S_0),   A_ij = β_i Σ_d k_id k_jd exp(G_id − G_jd), j < i,
@@ -15,7 +15,7 @@ and then
     S_C = Diag(Γ_last) S_0 + (K ⊙ exp(G_last − G))ᵀ U.
 
 A and B are built per 16-token sub-chunk with the factorisation described in
-`gla_pallas` (both factors ≤ 1). The system is solved by block forward
+`gla_pallas` (both factors ≤ 1, exponents summed without cancellation). The system is solved by block forward
 substitution over sub-chunks; each 16 × 16 diagonal block is inverted by
 forward substitution, row by row, in fp32 (as FLA's `solve_tril` does, from
 the equations). Columns of S evolve independently, so programs split Dv.
@@ -34,9 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from linjax.kernels.gla_pallas import (
-    SUB, MAX_BLOCK_V, boundary_gate, check_inputs, chunk_local_cumsum,
-    diag_gram, head_specs, load_rows, matmul, offdiag_gram, pad_axis,
-    pad_to_tiles, t_matmul, triton_params)
+    SUB, MAX_BLOCK_V, ChunkGates, check_inputs, diag_gram, head_specs,
+    load_rows, matmul, offdiag_gram, pad_axis, pad_to_tiles, t_matmul,
+    triton_params)
 
 
 def unit_lower_inverse(a):
@@ -67,32 +67,30 @@ def _gdn_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, ht_ref, *,
         q = [load_rows(q_ref, s, SUB) for s in starts]
         k = [load_rows(k_ref, s, SUB) for s in starts]
         v = [load_rows(v_ref, s, SUB) for s in starts]
-        g = [load_rows(g_ref, s, SUB) for s in starts]
         beta = [load_rows(beta_ref, s, SUB)[:, None] for s in starts]
-        r = [boundary_gate(g_ref, base, i) for i in range(n_sub)]
-        g_last = g_ref[base + chunk - 1].astype(jnp.float32)
+        gates = ChunkGates([load_rows(g_ref, s, SUB) for s in starts])
 
         u = []
         for i in range(n_sub):
+            decay_i = jnp.exp(gates.from_start(i))
             # Right-hand side β (v − (k ⊙ Γ) S_0) minus the solved sub-chunks.
-            rhs = beta[i] * (v[i] - matmul(k[i] * jnp.exp(g[i]), state))
+            rhs = beta[i] * (v[i] - matmul(k[i] * decay_i, state))
             for j in range(i):
-                a_ij = beta[i] * offdiag_gram(k[i], g[i], k[j], g[j], r[i])
-                rhs -= matmul(a_ij, u[j])
-            a_ii = beta[i] * diag_gram(k[i], g[i], k_ref, g_ref, starts[i],
+                rhs -= matmul(beta[i] * offdiag_gram(k[i], k[j], gates, i, j), u[j])
+            a_ii = beta[i] * diag_gram(k[i], k_ref, starts[i], gates.log_alpha[i],
                                        strict=True)
             u.append(matmul(unit_lower_inverse(a_ii), rhs))
 
-            acc = matmul(q[i] * jnp.exp(g[i]), state)
+            acc = matmul(q[i] * decay_i, state)
             for j in range(i):
-                acc += matmul(offdiag_gram(q[i], g[i], k[j], g[j], r[i]), u[j])
-            acc += matmul(diag_gram(q[i], g[i], k_ref, g_ref, starts[i],
+                acc += matmul(offdiag_gram(q[i], k[j], gates, i, j), u[j])
+            acc += matmul(diag_gram(q[i], k_ref, starts[i], gates.log_alpha[i],
                                     strict=False), u[i])
             o_ref[pl.ds(starts[i], SUB)] = (scale * acc).astype(o_ref.dtype)
 
-        state = jnp.exp(g_last)[:, None] * state
+        state = jnp.exp(gates.whole())[:, None] * state
         for j in range(n_sub):
-            state += t_matmul(k[j] * jnp.exp(g_last[None, :] - g[j]), u[j])
+            state += t_matmul(k[j] * jnp.exp(gates.to_end(j)), u[j])
         return state
 
     state = lax.fori_loop(0, n_chunks, one_chunk, h0_ref[...].astype(jnp.float32))
@@ -140,4 +138,4 @@ def _gdn_call(q, k, v, log_alpha, beta, h0, *, group, chunk, scale, interpret):
         compiler_params=triton_params(),
         interpret=interpret,
         name="linjax_gdn_chunked_fwd",
-    )(q, k, v, chunk_local_cumsum(log_alpha, chunk), beta, h0)
+    )(q, k, v, log_alpha, beta, h0)

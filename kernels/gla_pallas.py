@@ -7,19 +7,24 @@ One program per (batch, query head, block of Dv columns): the columns of S
 evolve independently, so splitting Dv only repeats the cheap [C, C] work and
 keeps the fp32 state [Dk, BV] small enough for registers. The program loops
 over 64-token chunks with `lax.fori_loop`, carrying the state. Inside a
-chunk, with G the chunk-local inclusive cumsum of log α (computed by the
-wrapper, fp32) and Γ = exp(G):
+chunk, with G the inclusive cumulative log decay from the chunk start and
+Γ = exp(G):
 
     o_C   = scale · [(Q ⊙ Γ) S_0 + (A ⊙ M) V],  A_ij = Σ_d q_id k_jd exp(G_id − G_jd)
     S_C   = Diag(Γ_last) S_0 + (K ⊙ exp(G_last − G))ᵀ V
 
 The per-channel decay makes A a [C, C, Dk] contraction, so the chunk is cut
-into 16-token sub-chunks. An off-diagonal block (I > J) factorises around
-r = G at the last token before sub-chunk I, so that both factors
-exp(G_i − r) and exp(r − G_j) are ≤ 1 (no overflow; an underflow only
-happens where the true product is smaller still). A diagonal block is built
-one column at a time, masking before the exp. This is the layout of FLA's
+into 16-token sub-chunks. An off-diagonal block (I > J) factorises at the
+boundary before sub-chunk I, so both factors (decay from that boundary to
+i, and from j to it) are ≤ 1: no overflow, and an underflow only where the
+true product is smaller still. A diagonal block is built one column at a
+time, masking before the exp. This is the layout of FLA's
 `fla/ops/gla/chunk.py`, written from the equations.
+
+Every exponent is formed as a sum of log α over exactly the steps it spans
+(prefix and suffix sums within a sub-chunk, whole sub-chunk totals between),
+never as a difference G_i − G_j of two cumulative sums: with a hard reset
+(log α ≈ −1000) such a difference loses all precision in fp32.
 
 The wrapper pads T to a multiple of the chunk (zero keys, log α = 0: the
 padded tail leaves the state unchanged) and Dk, Dv to powers of two ≥ 16
@@ -87,15 +92,6 @@ def pad_axis(x, axis: int, size: int, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def chunk_local_cumsum(log_alpha, chunk: int):
-    """Inclusive cumsum of the log gates within each chunk, fp32 ([B, T, H, Dk],
-    T a multiple of `chunk`). Restarting at every chunk keeps the exponents of
-    the intra-chunk decays small."""
-    B, T, H, D = log_alpha.shape
-    g = log_alpha.astype(jnp.float32).reshape(B, T // chunk, chunk, H, D)
-    return jnp.cumsum(g, axis=2).reshape(B, T, H, D)
-
-
 def head_specs(Tp: int, Dk: int, BV: int, group: int):
     """BlockSpecs on grid (batch, head, Dv block) for the [B, T, H, D] layout.
 
@@ -125,14 +121,6 @@ def load_rows(ref, start, n: int):
     return ref[pl.ds(start, n)].astype(jnp.float32)
 
 
-def boundary_gate(g_ref, base, sub_index: int):
-    """The cumsum just before sub-chunk `sub_index` of the chunk at `base`
-    ([Dk]; zeros for the first sub-chunk, since G restarts every chunk)."""
-    if sub_index == 0:
-        return jnp.zeros(g_ref.shape[-1:], jnp.float32)
-    return g_ref[base + sub_index * SUB - 1].astype(jnp.float32)
-
-
 def matmul(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
@@ -149,27 +137,64 @@ def t_matmul(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def offdiag_gram(x_i, g_i, y_j, g_j, r):
-    """Block (I > J) of Σ_d x_id y_jd exp(g_id − g_jd), factorised around the
-    cumsum r at the end of sub-chunk I − 1 so that both factors are ≤ 1."""
-    r = r[None, :]
-    return matmul_t(x_i * jnp.exp(g_i - r), y_j * jnp.exp(r - g_j))
+class ChunkGates:
+    """Log decays of one chunk from its raw log α, one [SUB, Dk] block per
+    sub-chunk, all as sums of the steps they span (no cancellation):
+
+        prefix[I]  Σ log α over sub-chunk I up to and including row i
+        suffix[I]  Σ log α over sub-chunk I after row i
+        total[I]   Σ log α over sub-chunk I                           [Dk]
+    """
+
+    def __init__(self, log_alpha):
+        n = log_alpha[0].shape[0]
+        later = jnp.where(lax.broadcasted_iota(jnp.int32, (n, n), 1)
+                          > lax.broadcasted_iota(jnp.int32, (n, n), 0), 1.0, 0.0)
+        self.log_alpha = log_alpha
+        self.prefix = [jnp.cumsum(la, axis=0) for la in log_alpha]
+        self.suffix = [matmul(later, la) for la in log_alpha]  # Triton has no reverse cumsum
+        self.total = [jnp.sum(la, axis=0) for la in log_alpha]
+
+    def between(self, first: int, stop: int):
+        """Σ of the totals of sub-chunks first .. stop − 1 ([Dk]; zeros if none)."""
+        out = jnp.zeros_like(self.total[0])
+        for m in range(first, stop):
+            out = out + self.total[m]
+        return out
+
+    def from_start(self, i: int):
+        """G of sub-chunk i's rows: log decay from the chunk start ([SUB, Dk])."""
+        return self.between(0, i)[None, :] + self.prefix[i]
+
+    def to_end(self, j: int):
+        """log decay from sub-chunk j's rows to the chunk end (G_last − G)."""
+        return self.suffix[j] + self.between(j + 1, len(self.total))[None, :]
+
+    def whole(self):
+        """log decay over the whole chunk (G_last, [Dk])."""
+        return self.between(0, len(self.total))
 
 
-def diag_gram(x, g, y_ref, g_ref, start, *, strict: bool):
-    """Diagonal block: A_ij = Σ_d x_id y_jd exp(g_id − g_jd) for j ≤ i (j < i
-    if strict), else 0. Built column by column (row j of y and g read from
-    their refs), masking before the exp so no exp of a positive number is
-    ever taken."""
+def offdiag_gram(x_i, y_j, gates: ChunkGates, i: int, j: int):
+    """Block (I > J) of Σ_d x_id y_jd exp(G_id − G_jd), factorised at the
+    boundary before sub-chunk I so that both factors are ≤ 1."""
+    to_boundary = gates.suffix[j] + gates.between(j + 1, i)[None, :]
+    return matmul_t(x_i * jnp.exp(gates.prefix[i]), y_j * jnp.exp(to_boundary))
+
+
+def diag_gram(x, y_ref, start, log_alpha, *, strict: bool):
+    """Diagonal block: A_ij = Σ_d x_id y_jd exp(Σ_{j<t≤i} log α_td) for j ≤ i
+    (j < i if strict), else 0. Built column by column (row j of y read from
+    its ref); the exponent of column j is a cumsum of log α over the rows
+    after j, so it is ≤ 0 and exact, and masked entries are zeroed."""
     n = x.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
 
     def column(j, a):
         y_j = y_ref[start + j].astype(jnp.float32)[None, :]
-        g_j = g_ref[start + j].astype(jnp.float32)[None, :]
         keep = rows > j if strict else rows >= j
-        decay = jnp.where(keep, jnp.exp(jnp.where(keep, g - g_j, 0.0)), 0.0)
+        decay = jnp.where(keep, jnp.exp(jnp.cumsum(jnp.where(rows > j, log_alpha, 0.0), axis=0)), 0.0)
         col = jnp.sum(x * y_j * decay, axis=1)
         return jnp.where(cols == j, col[:, None], a)
 
@@ -190,21 +215,19 @@ def _gla_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *,
         q = [load_rows(q_ref, s, SUB) for s in starts]
         k = [load_rows(k_ref, s, SUB) for s in starts]
         v = [load_rows(v_ref, s, SUB) for s in starts]
-        g = [load_rows(g_ref, s, SUB) for s in starts]
-        r = [boundary_gate(g_ref, base, i) for i in range(n_sub)]
-        g_last = g_ref[base + chunk - 1].astype(jnp.float32)
+        gates = ChunkGates([load_rows(g_ref, s, SUB) for s in starts])
 
         for i in range(n_sub):
-            acc = matmul(q[i] * jnp.exp(g[i]), state)
+            acc = matmul(q[i] * jnp.exp(gates.from_start(i)), state)
             for j in range(i):
-                acc += matmul(offdiag_gram(q[i], g[i], k[j], g[j], r[i]), v[j])
-            acc += matmul(diag_gram(q[i], g[i], k_ref, g_ref, starts[i],
+                acc += matmul(offdiag_gram(q[i], k[j], gates, i, j), v[j])
+            acc += matmul(diag_gram(q[i], k_ref, starts[i], gates.log_alpha[i],
                                     strict=False), v[i])
             o_ref[pl.ds(starts[i], SUB)] = (scale * acc).astype(o_ref.dtype)
 
-        state = jnp.exp(g_last)[:, None] * state
+        state = jnp.exp(gates.whole())[:, None] * state
         for j in range(n_sub):
-            state += t_matmul(k[j] * jnp.exp(g_last[None, :] - g[j]), v[j])
+            state += t_matmul(k[j] * jnp.exp(gates.to_end(j)), v[j])
         return state
 
     state = lax.fori_loop(0, n_chunks, one_chunk, h0_ref[...].astype(jnp.float32))
@@ -265,7 +288,7 @@ def _gla_call(q, k, v, log_alpha, h0, *, group, chunk, scale, interpret):
         compiler_params=triton_params(),
         interpret=interpret,
         name="linjax_gla_chunked_fwd",
-    )(q, k, v, chunk_local_cumsum(log_alpha, chunk), h0)
+    )(q, k, v, log_alpha, h0)
 
 
 # ------------------------------------------------------------ differentiation

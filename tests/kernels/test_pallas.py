@@ -82,11 +82,15 @@ def test_gdn_forward(case):
                  reference["gdn"](q, k, v, log_alpha, beta, initial_state=h0), TOL[case[4]])
 
 
+@pytest.mark.parametrize("gates", ["spread", "resets"])
 @pytest.mark.parametrize("mech", ["gla", "gdn"])
-def test_extreme_gates(mech):
-    """log α spread over (−20, 0]: long-range decays underflow, none may overflow."""
+def test_extreme_gates(mech, gates):
+    """log α spread over (−20, 0], or hard resets (log α = −1000 every 8th
+    step): decays must neither overflow nor lose precision to cancellation."""
     q, k, v, log_alpha, beta, h0 = make_inputs(3, 200, 2, 16, True, "float32",
                                                unit_keys=True, gate_spread=8.0)
+    if gates == "resets":
+        log_alpha = log_alpha.at[:, ::8].set(-1000.0)
     gates = (log_alpha,) if mech == "gla" else (log_alpha, beta)
     module = gla if mech == "gla" else gdn
     out = module.pallas(q, k, v, *gates, initial_state=h0)
