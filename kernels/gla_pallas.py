@@ -110,6 +110,8 @@ def head_specs(Tp: int, Dk: int, BV: int, group: int):
 
 
 def triton_params():
+    """Triton launch settings (selecting them is what picks the Triton backend
+    over Mosaic GPU). Untuned: no GPU was at hand; 8 warps may suit Dk = 128."""
     return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
