@@ -1,0 +1,76 @@
+"""Short causal depthwise convolution: prefill, split prefill and token-by-token decode equal a dense
+causal convolution (torch's Conv1d with left padding when torch is present, numpy loops otherwise)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linjax.kernels import conv
+from tests.helpers import relative_rms
+
+
+def _inputs(seed, B=2, T=37, C=24, K=8, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(keys[0], (B, T, C)).astype(dtype)
+    return x, 0.3 * jax.random.normal(keys[1], (K, C)), jax.random.normal(keys[2], (C,))
+
+
+def _dense(x, weight, bias):
+    """y_t = bias + Σ_i weight[i] x_{t−K+1+i} with zeros before the start, float64 loops."""
+    x, weight, bias = (np.asarray(a, np.float64) for a in (x, weight, bias))
+    K, T = weight.shape[0], x.shape[1]
+    padded = np.concatenate([np.zeros((x.shape[0], K - 1, x.shape[2])), x], axis=1)
+    return bias + sum(weight[i] * padded[:, i:i + T] for i in range(K))
+
+
+@pytest.mark.parametrize("T, K", [(1, 8), (5, 8), (37, 8), (37, 4), (9, 1)])
+def test_prefill_equals_dense(T, K):
+    x, weight, bias = _inputs(T + K, T=T, K=K)
+    y, cache = conv.apply(x, weight, bias)
+    assert relative_rms(y, _dense(x, weight, bias)) <= 1e-6
+    expected_cache = np.concatenate([np.zeros((2, K - 1, 24)), np.asarray(x)], axis=1)[:, T:]
+    np.testing.assert_array_equal(np.asarray(cache), expected_cache)
+
+
+def test_matches_torch_conv1d_layout():
+    torch = pytest.importorskip("torch")
+    x, weight, bias = _inputs(1)
+    torch_weight = torch.tensor(np.asarray(weight).T[:, None, :])  # [C, 1, K] as nn.Conv1d(groups=C)
+    expected = torch.nn.functional.conv1d(torch.tensor(np.asarray(x)).transpose(1, 2), torch_weight,
+                                          torch.tensor(np.asarray(bias)), padding=7, groups=24)[..., :37]
+    y, _ = conv.apply(x, weight, bias)
+    assert relative_rms(y, expected.transpose(1, 2).numpy()) <= 1e-6
+
+
+@pytest.mark.parametrize("split", [1, 3, 20])
+def test_split_prefill_then_step_equals_dense(split):
+    x, weight, bias = _inputs(split)
+    first, cache = conv.apply(x[:, :split], weight, bias)
+    second, cache = conv.apply(x[:, split:30], weight, bias, cache)
+    step = jax.jit(conv.step)
+    decoded = []
+    for t in range(30, 37):
+        y, cache = step(x[:, t], weight, bias, cache)
+        decoded.append(y[:, None])
+    y = jnp.concatenate([first, second, *decoded], axis=1)
+    assert relative_rms(y, _dense(x, weight, bias)) <= 1e-6
+
+
+def test_bf16_keeps_dtype_and_accuracy():
+    x, weight, bias = _inputs(2, dtype=jnp.bfloat16)
+    y, cache = conv.apply(x, weight, bias)
+    assert y.dtype == jnp.bfloat16 and cache.dtype == jnp.bfloat16
+    assert relative_rms(y, _dense(x.astype(jnp.float32), weight, bias)) <= 5e-3
+
+
+def test_bad_shapes_raise_readable_errors():
+    x, weight, bias = _inputs(3)
+    with pytest.raises(ValueError, match=r"\[kernel_size, channels\]"):
+        conv.apply(x, weight.T, bias)
+    with pytest.raises(ValueError, match="cache must be"):
+        conv.apply(x, weight, bias, jnp.zeros((2, 3, 24)))
+    with pytest.raises(ValueError, match="without a time axis"):
+        conv.step(x, weight, bias, conv.empty_cache(2, 24))
