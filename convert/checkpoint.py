@@ -50,8 +50,51 @@ def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
     return directory
 
 
+def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: str) -> str:
+    """A finished training run: only the trained parameters, plus where the frozen base comes from.
+
+    `linjax.load(directory)` loads `base_source`, linearizes it with the saved
+    settings and puts the trained parameters in; the frozen weights are not
+    written again (they are bit-identical to the base's).
+    """
+    import orbax.checkpoint as ocp
+
+    from linjax.layers import Trainable
+
+    directory = os.path.abspath(directory)
+    if os.path.exists(base_source):
+        base_source = os.path.abspath(base_source)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, "trainable"), nnx.state(model, Trainable), force=True)
+    checkpointer.wait_until_finished()
+    manifest = {"format_version": FORMAT_VERSION, "kind": "trained", "base_source": base_source,
+                "dtype": str(jnp.dtype(dtype)), "model_config": model.config.to_hf(),
+                "linearize": model.linearize_config.to_dict()}
+    tmp = os.path.join(directory, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, os.path.join(directory, MANIFEST))
+    return directory
+
+
+def _load_trained(directory: str, manifest: dict, dtype):
+    import orbax.checkpoint as ocp
+
+    from linjax.convert.sources import load
+    from linjax.layers import Trainable
+    from linjax.linearize import linearize
+
+    model, tokenizer = load(manifest["base_source"], dtype or manifest["dtype"])
+    if model.config != ModelConfig.from_hf(manifest["model_config"]):
+        raise ValueError(f"{directory}: the base model at {manifest['base_source']!r} has changed since training")
+    model = linearize(model, LinearizeConfig.from_dict(manifest["linearize"]))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.state(model, Trainable))
+    nnx.update(model, ocp.StandardCheckpointer().restore(os.path.join(directory, "trainable"), abstract))
+    return model, tokenizer
+
+
 def load_checkpoint(directory: str, dtype=None):
-    """(model, tokenizer or None) from a directory written by `save_checkpoint`."""
+    """(model, tokenizer or None) from a directory written by `save_checkpoint` or `save_trained`."""
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
@@ -60,6 +103,8 @@ def load_checkpoint(directory: str, dtype=None):
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory}: checkpoint format {manifest.get('format_version')} "
                          f"is not {FORMAT_VERSION}; it was written by another linjax version")
+    if manifest.get("kind") == "trained":
+        return _load_trained(directory, manifest, dtype)
     config = ModelConfig.from_hf(manifest["model_config"])
     saved_dtype = jnp.dtype(manifest["dtype"])
     linearized = manifest.get("linearize")

@@ -3,6 +3,7 @@
     linjax convert SOURCE --out DIR [--format hf|linjax|both] [--dtype bfloat16]
     linjax linearize SOURCE --mechanism gdn --window 56 --sinks 8 --adapter shortconv --out DIR
     linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
+    linjax train CONFIG.toml [--set section.key=value ...] [--resume]
 
 SOURCE is anything `linjax.load` accepts: `smollm2-135m` (the embedded
 default), a `.gguf` file, an HF model directory or hub id, or a linjax
@@ -104,6 +105,16 @@ def _generate(args):
     print(f"\n[{len(produced)} tokens in {elapsed:.1f}s, prompt {len(ids)} tokens]", file=sys.stderr)
 
 
+def _train(args):
+    from linjax import train
+    from linjax.train.sharding import maybe_initialize_distributed
+
+    maybe_initialize_distributed()
+    config = train.load_experiment(args.config, args.set)
+    train.run(config, resume=args.resume, progress=not args.no_progress)
+    print(f"trained → {os.path.abspath(config.run_dir)} (metrics.jsonl; `linjax.load` restores the model)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linjax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_linearize)
 
+    p = sub.add_parser("train", help="train the new parameters of a linearized model (TOML experiment)")
+    p.add_argument("config", help="experiment TOML file (see README, 'Training')")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a setting, e.g. --set train.steps=10 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_train)
+
     p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")
     p.add_argument("source")
     p.add_argument("--prompt", required=True)
@@ -147,7 +166,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
         sys.exit(f"error: {err}")
 
 

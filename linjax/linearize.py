@@ -58,6 +58,8 @@ class LinearizeConfig:
     kernel: str = "chunked"
 
     def __post_init__(self):
+        if self.adapter in ("none", ""):  # TOML and the CLI have no None
+            object.__setattr__(self, "adapter", None)
         if self.mechanism not in MIXERS:
             raise ValueError(f"unknown mechanism {self.mechanism!r}; choose one of {sorted(MIXERS)}")
         if self.adapter not in ADAPTERS:

@@ -39,6 +39,14 @@ def causal_attention(q, k, v, *, key_offset=None, valid_length=None):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
 
 
+def pretrained_attention(proj: AttentionProjections, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """The original block's attention output: causal softmax on the frozen projections (no adapters).
+
+    Also the teacher of attention transfer for a linearized block built on the same `proj`.
+    """
+    return proj.out(causal_attention(*proj.qkv(x, positions)))
+
+
 class SoftmaxAttention(nnx.Module):
     """Full causal softmax attention on the pretrained projections."""
 
@@ -51,9 +59,9 @@ class SoftmaxAttention(nnx.Module):
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: KVCache | None = None):
-        q, k, v = self.proj.qkv(x, positions)
         if state is None:
-            return self.proj.out(causal_attention(q, k, v))
+            return pretrained_attention(self.proj, x, positions)
+        q, k, v = self.proj.qkv(x, positions)
         start = state.length
         cache_k = jax.lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype), start, axis=1)
         cache_v = jax.lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype), start, axis=1)

@@ -1,0 +1,166 @@
+"""Experiment files: TOML sections mapped onto frozen dataclasses, strictly.
+
+    run_dir = "runs/smollm2-gdn"
+    [model]      source, dtype
+    [linearize]  the fields of `linjax.LinearizeConfig`
+    [data]       paths (files or folders) or dataset (a Hugging Face dataset name)
+    [train]      steps, seq_len, batch_size, lr, warmup_steps, seed, objective, ...
+
+An unknown section or key is an error that names it. `--set section.key=value`
+overrides are parsed as TOML values (`train.lr=1e-3`, `linearize.adapter="lora"`,
+`data.paths=["a.txt"]`); a value that is not valid TOML is taken as a string.
+Relative paths are relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from typing import Any
+
+from linjax.linearize import LinearizeConfig
+
+OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    source: str = "smollm2-135m"  # HF id, HF directory, .gguf file, or "smollm2-135m"
+    dtype: str = "float32"  # of the frozen backbone; new parameters are always fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    paths: tuple[str, ...] = ()  # .txt, .jsonl, .json files or folders of them
+    dataset: str | None = None  # a Hugging Face dataset, streamed (needs a network)
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    shuffle_buffer: int = 10_000  # streaming datasets only
+
+    def __post_init__(self):
+        object.__setattr__(self, "paths", tuple(self.paths))
+        if bool(self.paths) == bool(self.dataset):
+            raise ValueError("[data] needs exactly one of `paths` (local files or folders) or `dataset` "
+                             f"(a Hugging Face dataset name); got paths={list(self.paths)}, dataset={self.dataset!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    """The paper's recipe (appendix, hyperparameters) is the default."""
+
+    steps: int = 2500
+    seq_len: int = 4096
+    batch_size: int = 1
+    lr: float | None = None  # None: 2e-3, or 5e-4 with LoRA (the paper's two rates)
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 1
+    objective: str = "ce"
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    mesh_data: int = -1  # devices on the data axis (-1: all devices not used by fsdp)
+    mesh_fsdp: int = 1  # devices the frozen weights are sharded over
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"train.objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
+        for name in ("steps", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError("train.seq_len must be ≥ 2 (one token to predict from another)")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(f"train.warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+
+    def learning_rate(self, adapter: str | None) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 5e-4 if adapter == "lora" else 2e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    run_dir: str
+    model: ModelSection = ModelSection()
+    linearize: LinearizeConfig = LinearizeConfig()
+    data: DataSection = DataSection(paths=("../shared/data/webtext",))
+    train: TrainSection = TrainSection()
+
+    def to_dict(self) -> dict:
+        return {"run_dir": self.run_dir, "model": dataclasses.asdict(self.model),
+                "linearize": self.linearize.to_dict(),
+                "data": {k: (list(v) if isinstance(v, tuple) else v)
+                         for k, v in dataclasses.asdict(self.data).items() if v is not None},
+                "train": {k: v for k, v in dataclasses.asdict(self.train).items() if v is not None}}
+
+
+_SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection}
+
+
+def _build(cls, fields: dict, section: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown key{'s' if len(unknown) > 1 else ''} in [{section}]: "
+                         f"{', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+    return cls(**fields)
+
+
+def from_dict(raw: dict) -> ExperimentConfig:
+    raw = dict(raw)
+    unknown = sorted(set(raw) - {"run_dir", "model", "linearize", "data", "train"})
+    if unknown:
+        raise ValueError(f"unknown top-level key or section: {', '.join(unknown)}; "
+                         "expected run_dir, [model], [linearize], [data], [train]")
+    if "run_dir" not in raw:
+        raise ValueError("the experiment needs `run_dir = \"...\"` (where checkpoints and metrics go)")
+    kwargs: dict[str, Any] = {"run_dir": str(raw["run_dir"])}
+    for section, cls in _SECTIONS.items():
+        if section in raw:
+            kwargs[section] = _build(cls, raw[section], section)
+    if "linearize" in raw:
+        try:
+            kwargs["linearize"] = LinearizeConfig.from_dict(raw["linearize"])
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"[linearize]: {err}") from err
+    return ExperimentConfig(**kwargs)
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`section.key=value` (or `run_dir=value`) assignments applied to a raw TOML dict."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects section.key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) == 1:
+            raw[parts[0]] = _parse_value(value)
+        elif len(parts) == 2:
+            raw.setdefault(parts[0], {})[parts[1]] = _parse_value(value)
+        else:
+            raise ValueError(f"--set key must be 'section.key', got {key!r}")
+    return raw
+
+
+def load_experiment(path: str, overrides: list[str] | None = None) -> ExperimentConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no experiment file at {path!r}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from err
+    try:
+        return from_dict(apply_overrides(raw, overrides or []))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{path}: {err}") from err

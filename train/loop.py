@@ -1,0 +1,157 @@
+"""`run(config)`: train the new parameters of a linearized model, the paper's way.
+
+Only parameters of type `Trainable` (what linearization added) get gradients
+and optimizer state; the pretrained weights are a separate, frozen input to
+the jitted step and stay bit-identical. AdamW with a linear warm-up and cosine
+decay, gradient clipping at 1 (paper, appendix).
+
+A run directory holds `config.json`, `metrics.jsonl` (one JSON object per
+step), `checkpoints/<step>/` (orbax: trainable parameters, optimizer state
+and the data position, saved together), and, once finished, `linjax.json` +
+`trainable/` so that `linjax.load(run_dir)` returns the trained model. The
+steps use no randomness (no dropout; the data order derives from the seed),
+so a resumed run repeats an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from linjax.layers import Trainable
+from linjax.train import sharding
+from linjax.train.data import build_dataset
+from linjax.train.objectives import objective_loss
+
+
+def make_optimizer(train_config, adapter):
+    lr = train_config.learning_rate(adapter)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=train_config.warmup_steps,
+        decay_steps=train_config.steps, end_value=0.0)
+    return optax.chain(optax.clip_by_global_norm(train_config.grad_clip),
+                       optax.adamw(schedule, weight_decay=train_config.weight_decay)), schedule
+
+
+def make_train_step(graphdef, optimizer, objective: str, mesh):
+    """A jitted (trainable, opt_state, frozen, batch) → (trainable, opt_state, metrics) step.
+
+    Outputs are pinned to the replicated sharding the inputs have, so the step
+    compiles once instead of again after its first call.
+    """
+
+    def step(trainable, opt_state, frozen, batch):
+        def loss_fn(params):
+            return objective_loss(nnx.merge(graphdef, params, frozen), batch, objective)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        return trainable, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
+
+    replicated = sharding.replicated_sharding(mesh)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated))
+
+
+def _write_json(path: str, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _truncate_metrics(path: str, last_step: int):
+    """Drop metrics logged after the checkpoint a resumed run restarts from."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def run(config, resume: bool = False, progress: bool = True):
+    """Trains as `config` (an ExperimentConfig) says; returns the trained model."""
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    import linjax
+    from linjax.convert.checkpoint import save_trained
+
+    tc = config.train
+    run_dir = os.path.abspath(config.run_dir)
+    checkpoint_dir = os.path.join(run_dir, "checkpoints")
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    os.makedirs(run_dir, exist_ok=True)
+    manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=tc.keep_checkpoints, create=True, enable_async_checkpointing=False))
+    if manager.latest_step() is not None and not resume:
+        raise FileExistsError(f"{run_dir} already has checkpoints (step {manager.latest_step()}); "
+                              "pass --resume to continue it, or choose another run_dir")
+    if jax.process_index() == 0:
+        _write_json(os.path.join(run_dir, "config.json"), config.to_dict())
+
+    model, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
+    if tokenizer is None:
+        raise ValueError(f"{config.model.source} has no tokenizer; training needs one to read text")
+    model = linjax.linearize(model, config.linearize, seed=tc.seed)
+    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+    mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
+    frozen = sharding.shard_frozen(frozen, mesh)
+    trainable = sharding.replicate(trainable, mesh)
+    optimizer, schedule = make_optimizer(tc, config.linearize.adapter)
+    opt_state = sharding.replicate(optimizer.init(trainable), mesh)
+    dataset = build_dataset(config.data, tokenizer, seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed)
+
+    step = 0
+    if resume and manager.latest_step() is not None:
+        step = manager.latest_step()
+        restored = manager.restore(step, args=ocp.args.Composite(
+            train_state=ocp.args.StandardRestore({"trainable": trainable, "opt_state": opt_state}),
+            data=ocp.args.JsonRestore()))
+        trainable, opt_state = restored["train_state"]["trainable"], restored["train_state"]["opt_state"]
+        dataset.restore(restored["data"])
+        _truncate_metrics(metrics_path, step)
+
+    def save(at_step):
+        manager.save(at_step, args=ocp.args.Composite(
+            train_state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
+            data=ocp.args.JsonSave(dataset.state())), force=True)
+        manager.wait_until_finished()
+
+    train_step = make_train_step(graphdef, optimizer, tc.objective, mesh)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,
+               dynamic_ncols=True)
+    with open(metrics_path, "a") as log:
+        while step < tc.steps:
+            start = time.perf_counter()
+            batch = sharding.put_batch(dataset.next_batch(), mesh)
+            lr = float(schedule(step))
+            trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
+            metrics = {k: float(v) for k, v in metrics.items()}
+            elapsed = time.perf_counter() - start
+            step += 1
+            if not all(map(jnp.isfinite, metrics.values())):
+                raise FloatingPointError(f"non-finite metrics at step {step}: {metrics}; the last "
+                                         f"checkpoint (step {manager.latest_step()}) is intact")
+            record = {"step": step, **metrics, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}
+            if jax.process_index() == 0:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if step % tc.checkpoint_every == 0 or step == tc.steps:
+                save(step)
+    bar.close()
+    model = nnx.merge(graphdef, trainable, frozen)
+    if jax.process_index() == 0:
+        save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype)
+    return model

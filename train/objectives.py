@@ -1,0 +1,56 @@
+"""Training objectives: next-token cross-entropy, and layer-wise attention transfer.
+
+Attention transfer (LoLCATs' first stage; the paper's approximation error is
+the same quantity) matches each linearized block's attention output to the
+frozen softmax attention output of that block on the same input. The inputs
+are the original model's hidden states (the teacher's residual stream), so
+each layer learns to approximate its own softmax attention, independently of
+how well the layers below it do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from linjax.mixers.softmax import SoftmaxAttention, pretrained_attention
+
+
+def next_token_loss(model, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32)."""
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+    return -jnp.mean(picked)
+
+
+def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
+    """Mean over linearized layers of the MSE between their attention output and softmax attention's."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = model.embed_tokens(tokens)
+    losses = []
+    for block in model.layers:
+        h = block.input_layernorm(x)
+        teacher = jax.lax.stop_gradient(pretrained_attention(block.attn.proj, h, positions))
+        if not isinstance(block.attn, SoftmaxAttention):
+            student = block.attn(h, positions)
+            losses.append(jnp.mean(jnp.square(student.astype(jnp.float32) - teacher.astype(jnp.float32))))
+        x = x + teacher
+        x = x + block.mlp(block.post_attention_layernorm(x))
+    if not losses:
+        raise ValueError("attention transfer needs at least one linearized layer")
+    return jnp.mean(jnp.stack(losses))
+
+
+def objective_loss(model, tokens, objective: str):
+    """(loss, metrics) for 'ce', 'attention_transfer' or 'ce+attention_transfer' (a plain sum)."""
+    metrics = {}
+    loss = 0.0
+    if "ce" in objective.split("+"):
+        metrics["ce"] = next_token_loss(model, tokens)
+        loss = loss + metrics["ce"]
+    if "attention_transfer" in objective:
+        metrics["attention_mse"] = attention_transfer_loss(model, tokens)
+        loss = loss + metrics["attention_mse"]
+    return loss, metrics
