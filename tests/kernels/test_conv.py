@@ -13,9 +13,10 @@ from tests.helpers import relative_rms
 
 
 def _inputs(seed, B=2, T=37, C=24, K=8, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(keys[0], (B, T, C)).astype(dtype)
-    return x, 0.3 * jax.random.normal(keys[1], (K, C)), jax.random.normal(keys[2], (C,))
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((B, T, C)), dtype)
+    return x, jnp.asarray(0.3 * rng.standard_normal((K, C)), jnp.float32), jnp.asarray(rng.standard_normal(C),
+                                                                                        jnp.float32)
 
 
 def _dense(x, weight, bias):

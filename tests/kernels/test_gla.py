@@ -34,51 +34,65 @@ REDUCED_GRID = [(T, *_HKV_D[i % 6], init) for i, (T, init) in
 REDUCED_IDS = [f"T{T}-Hkv{Hkv}-D{D}-{'init' if init else 'noinit'}" for T, Hkv, D, init in REDUCED_GRID]
 
 
+def _log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
 def random_inputs(mechanism, seed, T, Hkv, D, *, init=True, batch=B, heads=H, log_alpha=None, beta=None):
     """(args, initial_state): args = (q, k, v, *gates) as the mechanism takes them, fp32.
 
     GLA: log α = LogSigmoid(N(2, 1)) as the paper's gate. kGLA: the same, L2-normalised
     keys and β = sigmoid(N(0, 1)). Linear attention: positive softmax features for q, k.
+    Drawn with numpy (a jax.random call per new shape would compile).
     """
-    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(keys[0], (batch, T, heads, D))
-    k = jax.random.normal(keys[1], (batch, T, Hkv, D))
-    v = jax.random.normal(keys[2], (batch, T, Hkv, D))
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+    q, k, v = normal(batch, T, heads, D), normal(batch, T, Hkv, D), normal(batch, T, Hkv, D)
     if log_alpha is None:
-        log_alpha = jax.nn.log_sigmoid(2.0 + jax.random.normal(keys[3], (batch, T, heads, D)))
+        log_alpha = _log_sigmoid(2.0 + normal(batch, T, heads, D))
     if mechanism == "gla":
         args = (q, k, v, log_alpha)
     elif mechanism == "kgla":
-        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        k = k / np.linalg.norm(k, axis=-1, keepdims=True)
         if beta is None:
-            beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, T, heads)))
+            beta = 1.0 / (1.0 + np.exp(-normal(batch, T, heads)))
         args = (q, k, v, log_alpha, beta)
     else:
-        args = (jax.nn.softmax(q, axis=-1), jax.nn.softmax(k, axis=-1), v)
-    state = 0.5 * jax.random.normal(keys[5], (batch, heads, D, D)) if init else None
+        args = (_softmax(q), _softmax(k), v)
+    state = 0.5 * normal(batch, heads, D, D) if init else None
     if init and mechanism == "linear_attn":  # [S, z] with z a sum of positive features, as a real prefix gives
-        z = jax.random.uniform(keys[4], (batch, heads, D, 1), minval=0.5, maxval=2.0)
-        state = jnp.concatenate([state, z], axis=-1)
-    return args, state
+        z = rng.uniform(0.5, 2.0, (batch, heads, D, 1)).astype(np.float32)
+        state = np.concatenate([state, z], axis=-1)
+    as_jax = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    return tuple(map(as_jax, args)), as_jax(state)
 
 
-def _projected(fn, args, state, key):
-    """Σ_i ⟨P_i, output_i⟩ over all outputs (o, final state[, normaliser]) with fixed random P_i."""
+def projections(outputs_shapes, seed):
+    """Fixed random directions (numpy) for the scalar loss Σ_i ⟨P_i, output_i⟩."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)) for shape in outputs_shapes)
+
+
+def _projected(fn, args, state, directions):
+    """Σ_i ⟨P_i, output_i⟩ over all outputs (o, final state[, normaliser])."""
     outputs = fn(*args, initial_state=state)
-    keys = jax.random.split(key, len(outputs))
-    loss = sum((out.astype(jnp.float32) * jax.random.normal(k, out.shape)).sum() for out, k in zip(outputs, keys))
-    return loss, outputs
+    return sum((out.astype(jnp.float32) * p).sum() for out, p in zip(outputs, directions)), outputs
 
 
 @functools.partial(jax.jit, static_argnames=("mechanism", "chunk", "options"), compiler_options=FAST_COMPILE)
-def chunked_and_reference(mechanism, args, state, key, chunk=64, options=()):
+def chunked_and_reference(mechanism, args, state, directions, chunk=64, options=()):
     """((outputs, grads) of chunked, (outputs, grads) of reference); grads wrt args and the state (if given).
     `options`: extra keyword arguments for both, as ((name, value), ...)."""
     module = MECHANISMS[mechanism]
     results = []
     for fn in (functools.partial(module.chunked, chunk=chunk, **dict(options)),
                functools.partial(module.reference, **dict(options))):
-        grad_fn = jax.grad(lambda a, s: _projected(fn, a, s, key), argnums=(0, 1) if state is not None else 0,
+        grad_fn = jax.grad(lambda a, s: _projected(fn, a, s, directions), argnums=(0, 1) if state is not None else 0,
                            has_aux=True)
         grads, outputs = grad_fn(args, state)
         results.append((outputs, grads))
@@ -88,7 +102,9 @@ def chunked_and_reference(mechanism, args, state, key, chunk=64, options=()):
 def compare_chunked(mechanism, args, state, *, chunk=64, seed=0, out_tol=1e-5, grad_tol=1e-4, grads=True,
                     options=()):
     """Assert chunked ≈ reference for every output and gradient; returns the worst errors (out, grad)."""
-    (out_c, grad_c), (out_r, grad_r) = chunked_and_reference(mechanism, args, state, jax.random.PRNGKey(seed),
+    module = MECHANISMS[mechanism]
+    shapes = [x.shape for x in jax.eval_shape(functools.partial(module.reference, initial_state=state), *args)]
+    (out_c, grad_c), (out_r, grad_r) = chunked_and_reference(mechanism, args, state, projections(shapes, seed),
                                                              chunk=chunk, options=options)
     out_err = max(relative_rms(c, r) for c, r in zip(out_c, out_r))
     grad_err = max(relative_rms(c, r) for c, r in zip(jax.tree.leaves(grad_c), jax.tree.leaves(grad_r)))
@@ -161,7 +177,7 @@ def test_chunked_matches_reference(T, Hkv, D, init):
     compare_chunked("gla", args, state, seed=T + D)
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 128])
+@pytest.mark.parametrize("chunk", [16, 128])
 def test_other_chunk_sizes(chunk):
     args, state = random_inputs("gla", chunk, 150, 2, 16)
     compare_chunked("gla", args, state, chunk=chunk)
@@ -173,7 +189,7 @@ def test_step_matches_reference(T, Hkv):
     compare_step("gla", args, state)
 
 
-@pytest.mark.parametrize("split", [1, 17, 64, 130, 199])
+@pytest.mark.parametrize("split", [1, 64, 130])
 def test_split_sequence_equals_one_pass(split):
     args, state = random_inputs("gla", split, 200, 2, 16)
     compare_split("gla", args, state, split)
@@ -186,20 +202,20 @@ def test_bf16_inputs(T, init):
 
 
 def _extreme_gates(kind, seed, T, D):
-    key_a, key_b = jax.random.split(jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)
     if kind == "hard":  # every step between −20 and −1000 (near-resets everywhere)
-        return -jax.random.uniform(key_a, (B, T, H, D), minval=20.0, maxval=1000.0)
+        return -rng.uniform(20.0, 1000.0, (B, T, H, D))
     # mild gates with 5% hard resets: exponents that mix −1000 and −0.01 inside one chunk
-    mild = -jax.random.uniform(key_a, (B, T, H, D), maxval=0.05)
-    return jnp.where(jax.random.uniform(key_b, (B, T, H, D)) < 0.05, -1000.0, mild)
+    mild = -rng.uniform(0.0, 0.05, (B, T, H, D))
+    return np.where(rng.uniform(size=(B, T, H, D)) < 0.05, -1000.0, mild)
 
 
 @pytest.mark.parametrize("kind", ["hard", "resets"])
 def test_extreme_gates_stay_finite_and_exact(kind):
     T, D = 200, 16
-    base = jax.random.normal(jax.random.PRNGKey(5), (1, 1, 2, D))
     args, state = random_inputs("gla", 9, T, 2, D, log_alpha=_extreme_gates(kind, 1, T, D))
     q, k, v, g = args
+    base = np.random.default_rng(5).standard_normal((1, 1, 2, D), dtype=np.float32)
     nearly_parallel = base + 1e-3 * k  # keys that all point the same way
     compare_chunked("gla", (q, nearly_parallel, v, g), state, out_tol=1e-4, grad_tol=1e-4)
 

@@ -27,7 +27,7 @@ def test_step_matches_reference(T, Hkv):
     compare_step("kgla", args, state)
 
 
-@pytest.mark.parametrize("split", [1, 64, 150])
+@pytest.mark.parametrize("split", [1, 150])
 def test_split_sequence_equals_one_pass(split):
     args, state = random_inputs("kgla", 50 + split, 200, 2, 16)
     compare_split("kgla", args, state, split)
@@ -44,16 +44,15 @@ def test_extreme_beta_gates_and_parallel_keys(beta_value, gate):
     """β at 1e-4 / 0.999, log α per step in [−1000, −20] or mild, keys nearly parallel (and some one-hot,
     where 1 − βk² = 0.001 is close to the floor)."""
     T, D = 200, 16
-    key_a, key_b, key_c = jax.random.split(jax.random.PRNGKey(3), 3)
-    log_alpha = (-jax.random.uniform(key_a, (B, T, H, D), minval=20.0, maxval=1000.0) if gate == "hard"
-                 else jax.nn.log_sigmoid(3.0 + jax.random.normal(key_a, (B, T, H, D))))
-    (q, k, v, _, _), state = random_inputs("kgla", 8, T, 2, D, log_alpha=log_alpha,
-                                           beta=jnp.full((B, T, H), beta_value))
-    base = jax.random.normal(key_b, (1, 1, 2, D))
-    k = base + 1e-3 * k
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    k = k.at[:, ::7].set(jax.nn.one_hot(jax.random.randint(key_c, (B, T // 7 + 1, 2), 0, D), D))
-    compare_chunked("kgla", (q, k, v, log_alpha, jnp.full((B, T, H), beta_value)), state,
+    rng = np.random.default_rng(3)
+    log_alpha = (-rng.uniform(20.0, 1000.0, (B, T, H, D)) if gate == "hard"
+                 else -np.logaddexp(0.0, -3.0 - rng.standard_normal((B, T, H, D))))
+    beta = np.full((B, T, H), beta_value)
+    (q, k, v, log_alpha, beta), state = random_inputs("kgla", 8, T, 2, D, log_alpha=log_alpha, beta=beta)
+    k = rng.standard_normal((1, 1, 2, D)) + 1e-3 * np.asarray(k)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    k[:, ::7] = np.eye(D)[rng.integers(0, D, (B, (T + 6) // 7, 2))]
+    compare_chunked("kgla", (q, jnp.asarray(k, jnp.float32), v, log_alpha, beta), state,
                     out_tol=1e-4, grad_tol=1e-4)
 
 

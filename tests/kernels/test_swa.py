@@ -17,25 +17,22 @@ from tests.kernels.test_gla import FAST_COMPILE
 B, H = 2, 4
 # (T, sinks, window, chunk, Hkv): the paper's 8 + 56, SWA 64 without sinks, windows longer than T,
 # more sinks than tokens, chunks smaller than the window and not dividing T, T = 1.
-CASES = [(200, 8, 56, 64, 2), (1, 8, 56, 64, 4), (15, 8, 56, 64, 1), (130, 0, 64, 16, 2),
-         (100, 3, 5, 16, 4), (40, 50, 10, 8, 2), (77, 4, 1, 32, 1)]
+CASES = [(200, 8, 56, 64, 2), (1, 8, 56, 64, 4), (130, 0, 64, 16, 1), (100, 3, 5, 16, 4), (40, 50, 10, 8, 2)]
 
 
 def _inputs(seed, T, Hkv, D=16, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = 2.0 * jax.random.normal(keys[0], (B, T, H, D))  # peaky scores: the row max matters
-    k = jax.random.normal(keys[1], (B, T, Hkv, D))
-    v = jax.random.normal(keys[2], (B, T, Hkv, D))
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    rng = np.random.default_rng(seed)
+    q = 2.0 * rng.standard_normal((B, T, H, D))  # peaky scores: the row max matters
+    k, v = rng.standard_normal((B, T, Hkv, D)), rng.standard_normal((B, T, Hkv, D))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
 @functools.partial(jax.jit, static_argnames=("sinks", "window", "chunk"), compiler_options=FAST_COMPILE)
-def _blocked_and_dense(q, k, v, key, sinks, window, chunk):
+def _blocked_and_dense(q, k, v, directions, sinks, window, chunk):
     """(parts, grads) for the blocked and the dense form; loss = random projection of all three parts."""
     def loss(fn, q, k, v):
         parts = fn(q, k, v, sinks=sinks, window=window)
-        keys = jax.random.split(key, 3)
-        return sum((x * jax.random.normal(kk, x.shape)).sum() for x, kk in zip(parts, keys)), parts
+        return sum((x * p).sum() for x, p in zip(parts, directions)), parts
 
     results = []
     for fn in (functools.partial(swa.chunked, chunk=chunk), swa.reference):
@@ -47,7 +44,10 @@ def _blocked_and_dense(q, k, v, key, sinks, window, chunk):
 @pytest.mark.parametrize("T, sinks, window, chunk, Hkv", CASES)
 def test_blocked_equals_dense(T, sinks, window, chunk, Hkv):
     q, k, v = _inputs(T + window, T, Hkv)
-    (parts, grads), (ref, ref_grads) = _blocked_and_dense(q, k, v, jax.random.PRNGKey(1), sinks, window, chunk)
+    rng = np.random.default_rng(1)
+    directions = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
+                       ((B, T, H, 16), (B, T, H), (B, T, H)))
+    (parts, grads), (ref, ref_grads) = _blocked_and_dense(q, k, v, directions, sinks, window, chunk)
     assert relative_rms(parts.normalized(), ref.normalized()) <= 1e-5
     assert relative_rms(parts.row_max, ref.row_max) <= 1e-5
     assert relative_rms(parts.row_sum, ref.row_sum) <= 1e-5
@@ -82,7 +82,7 @@ def _decode(q, k, v, sinks, window):
     return jnp.swapaxes(o, 0, 1), cache
 
 
-@pytest.mark.parametrize("T, sinks, window, chunk, Hkv", CASES[:5])
+@pytest.mark.parametrize("T, sinks, window, chunk, Hkv", CASES[:4])
 def test_ring_buffer_decode_equals_dense(T, sinks, window, chunk, Hkv):
     q, k, v = _inputs(3 * T, T, Hkv)
     o, cache = _decode(q, k, v, sinks, window)
@@ -90,7 +90,7 @@ def test_ring_buffer_decode_equals_dense(T, sinks, window, chunk, Hkv):
     assert int(cache.count) == T
 
 
-@pytest.mark.parametrize("splits", [(1, 2, 3), (37, 100), (64, 65, 130, 199)])
+@pytest.mark.parametrize("splits", [(1, 2, 37), (64, 65, 130, 199)])
 def test_split_prefill_then_decode_equals_dense(splits):
     """Prefill blocks that continue a cache (split anywhere), then two decode steps: all equal one dense pass."""
     T, sinks, window, Hkv = 202, 8, 56, 2
@@ -125,15 +125,22 @@ def _indicator_inputs(T):
     return ones, ones, jnp.eye(T)[None, :, None, :]
 
 
-@pytest.mark.parametrize("T, sinks, window, chunk", [(80, 8, 56, 16), (80, 0, 64, 64), (40, 3, 5, 8),
-                                                     (20, 4, 1, 16), (30, 10, 3, 4), (12, 2, 50, 16)])
-def test_linear_state_and_window_cover_every_position_once(T, sinks, window, chunk):
-    """For every t: {j reaching y_t through the shifted linear state} ∪ I_t = {0..t}, disjoint."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=FAST_COMPILE)
+def _coverage(T, sinks, window, chunk):
+    """Rows t of (linear output, window numerator) are indicators of the positions reaching y_t each way."""
     q, k, v = _indicator_inputs(T)
     k_lin, v_lin, g_lin = swa.shifted_linear_inputs(k, v, jnp.zeros((1, T, 1, 1)), sinks=sinks, window=window)
     through_linear, _ = gla.chunked(q, k_lin, v_lin, g_lin, scale=1.0, chunk=16)
     # q = 0: every score is 0, so the window numerator is the indicator of I_t.
     through_window = swa.chunked(jnp.zeros_like(q), k, v, sinks=sinks, window=window, chunk=chunk).numerator
+    return through_linear, through_window
+
+
+@pytest.mark.parametrize("T, sinks, window, chunk", [(80, 8, 56, 16), (80, 0, 64, 64), (40, 3, 5, 8),
+                                                     (20, 4, 1, 16), (12, 2, 50, 16)])
+def test_linear_state_and_window_cover_every_position_once(T, sinks, window, chunk):
+    """For every t: {j reaching y_t through the shifted linear state} ∪ I_t = {0..t}, disjoint."""
+    through_linear, through_window = _coverage(T, sinks, window, chunk)
     coverage = np.asarray(through_linear[0, :, 0] + through_window[0, :, 0])
     np.testing.assert_array_equal(coverage, np.tril(np.ones((T, T))))
     linear_set = np.asarray(through_linear[0, :, 0])
@@ -155,36 +162,30 @@ def _explicit_linear_term(q, k, v, decay, sinks, window, scale):
 @pytest.mark.parametrize("mechanism", ["gla", "kgla"])
 def test_shifted_linear_term_uses_the_original_gates_in_between(mechanism):
     T, sinks, window, D = 50, 3, 7, 8
-    keys = jax.random.split(jax.random.PRNGKey(4), 5)
-    q = jax.random.normal(keys[0], (1, T, 1, D))
-    k = jax.random.normal(keys[1], (1, T, 1, D))
+    rng = np.random.default_rng(4)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q, k, v = normal(1, T, 1, D), normal(1, T, 1, D), normal(1, T, 1, D)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(keys[2], (1, T, 1, D))
-    log_alpha = jax.nn.log_sigmoid(2.0 + jax.random.normal(keys[3], (1, T, 1, D)))
+    log_alpha = jax.nn.log_sigmoid(2.0 + normal(1, T, 1, D))
     gates = (log_alpha,)
     decay = np.exp(np.asarray(log_alpha[0, :, 0], np.float64))
     if mechanism == "kgla":
-        beta = jax.nn.sigmoid(jax.random.normal(keys[4], (1, T, 1)))
+        beta = jax.nn.sigmoid(normal(1, T, 1))
         gates = (log_alpha, beta)
         decay = decay * (1 - np.asarray(beta[0], np.float64) * np.asarray(k[0, :, 0], np.float64) ** 2)
     shifted = swa.shifted_linear_inputs(k, v, *gates, sinks=sinks, window=window)
-    y, _ = {"gla": gla, "kgla": kgla}[mechanism].chunked(q, *shifted, chunk=16)
+    chunked = functools.partial({"gla": gla, "kgla": kgla}[mechanism].chunked, chunk=16)
+    y, _ = jax.jit(chunked, compiler_options=FAST_COMPILE)(q, *shifted)
     f64 = lambda x: np.asarray(x[0, :, 0], np.float64)
     expected = _explicit_linear_term(f64(q), f64(k), f64(v), decay, sinks, window, D ** -0.5)
     assert relative_rms(y[0, :, 0], expected) <= 1e-5
 
 
-@pytest.mark.parametrize("split", [5, 20, 44])
-def test_shifted_linear_term_continues_from_ring_history(split):
-    """Prefill [0, split), then the rest with the last `window` (k, v, log α) from rings as history and the
-    carried linear state; then decode the last token with T = 1. Equals one pass."""
-    T, sinks, window, D = 48, 4, 9, 8
-    keys = jax.random.split(jax.random.PRNGKey(split), 4)
-    q = jax.random.normal(keys[0], (B, T, H, D))
-    k = jax.random.normal(keys[1], (B, T, 2, D))
-    v = jax.random.normal(keys[2], (B, T, 2, D))
-    g = jax.nn.log_sigmoid(2.0 + jax.random.normal(keys[3], (B, T, H, D)))
-    whole, whole_state = gla.chunked(q, *swa.shifted_linear_inputs(k, v, g, sinks=sinks, window=window), chunk=16)
+@functools.partial(jax.jit, static_argnums=(4, 5, 6), compiler_options=FAST_COMPILE)
+def _linear_term_in_pieces(q, k, v, g, split, sinks, window):
+    """GLA on shifted inputs: [0, split) fresh, [split, T−1) from rings + carried state, then one decode step."""
+    T = q.shape[1]
+    whole = gla.chunked(q, *swa.shifted_linear_inputs(k, v, g, sinks=sinks, window=window), chunk=16)
 
     def history(x, stop):  # rings written with positions 0 .. stop−1, unrolled to positions stop−w .. stop−1
         ring = swa.write_ring(jnp.zeros((B, window) + x.shape[2:]), x[:, :stop], 0)
@@ -200,6 +201,19 @@ def test_shifted_linear_term_continues_from_ring_history(split):
     k1, v1, g1 = swa.shifted_linear_inputs(k[:, last:], v[:, last:], g[:, last:], sinks=sinks, window=window,
                                            history=tuple(history(x, last) for x in (k, v, g)), start=last)
     third, state = gla.step(q[:, last], k1[:, 0], v1[:, 0], g1[:, 0], state=state)
+    return (first, second, third, state), whole
+
+
+@pytest.mark.parametrize("split", [5, 20, 44])
+def test_shifted_linear_term_continues_from_ring_history(split):
+    """Prefill [0, split), then the rest with the last `window` (k, v, log α) from rings as history and the
+    carried linear state; then decode the last token with T = 1. Equals one pass."""
+    T, sinks, window, D = 48, 4, 9, 8
+    rng = np.random.default_rng(split)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q, k, v = normal(B, T, H, D), normal(B, T, 2, D), normal(B, T, 2, D)
+    g = jax.nn.log_sigmoid(2.0 + normal(B, T, H, D))
+    (first, second, third, state), (whole, whole_state) = _linear_term_in_pieces(q, k, v, g, split, sinks, window)
     assert relative_rms(jnp.concatenate([first, second, third[:, None]], axis=1), whole) <= 1e-5
     assert relative_rms(state, whole_state) <= 1e-5
 
