@@ -41,6 +41,7 @@ import time
 
 LIMIT_S = 60.0
 CHUNK = 64
+TORCH_METHODS = {"torch SDPA", "FLA naive_chunk_kda", "FLA naive_recurrent_gla"}
 
 
 def parse_args():
@@ -130,24 +131,21 @@ def flops(mech, T, D, H=8):
 # ------------------------------------------------------------------ methods
 
 
-def jax_inputs(mech, T, D, H=8, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (1, T, H, D))
-    k = jax.random.normal(ks[1], (1, T, H, D))
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (1, T, H, D))
-    log_alpha = jax.nn.log_sigmoid(jax.random.normal(ks[3], (1, T, H, D)) + 4.0)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H)))
-    if mech == "gdn":
-        return (q, k, v, log_alpha, beta)
-    if mech == "gla":
-        return (q, k, v, log_alpha)
-    return (q, k, v)
+def inputs(mech, T, D, H=8, seed=0):
+    """numpy fp32 inputs (numpy, so that preparing torch inputs runs no XLA):
+    L2-normalised q, k; log α = log σ(z + 4) per channel; β = σ(z)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q, k, v = unit(normal(1, T, H, D)), unit(normal(1, T, H, D)), normal(1, T, H, D)
+    log_alpha = -np.logaddexp(0.0, -(normal(1, T, H, D) + 4.0)).astype(np.float32)
+    beta = (1.0 / (1.0 + np.exp(-normal(1, T, H)))).astype(np.float32)
+    return {"gdn": (q, k, v, log_alpha, beta), "gla": (q, k, v, log_alpha)}.get(mech, (q, k, v))
 
 
 def jax_method(fn, args):
     """(forward call, forward+backward call) of a jax function returning o first."""
+    args = tuple(jnp.asarray(a) for a in args)
     fwd = jax.jit(lambda *a: _first(fn(*a)))
     do = jax.random.normal(jax.random.PRNGKey(1), args[2].shape)
     loss = lambda *a: jnp.sum(_first(fn(*a)) * do)
@@ -161,7 +159,7 @@ def _first(out):
 
 def torch_method(fn, args):
     """(forward call, forward+backward call) of a torch function returning o first."""
-    leaves = [torch.from_numpy(np.array(a)) for a in args]
+    leaves = [torch.from_numpy(a) for a in args]
     do = torch.randn_like(leaves[2])
 
     def forward():
@@ -239,35 +237,49 @@ def main():
                "thread_note": f"torch.set_num_threads({ARGS.threads}); XLA CPU uses its default "
                               f"pool over the same {ARGS.threads} visible cores"}
     print(f"fp32 matmul (jnp, 2048²): {peak:.1f} GFLOP/s; threads: {ARGS.threads}", file=sys.stderr)
+    # All JAX methods first, then the PyTorch ones: going back to XLA after
+    # torch's OpenMP pool has run once left a block_until_ready hanging here.
+    plan = [(mech, D, name, build, memory)
+            for mech in ["gdn", "gla", "softmax"] for D in Ds
+            for name, (build, memory) in methods(mech, D).items()]
+    plan.sort(key=lambda p: p[2] in TORCH_METHODS)
     rows = []
-    for mech in ["gdn", "gla", "softmax"]:
-        for D in Ds:
-            for name, (build, memory) in methods(mech, D).items():
-                history = {"fwd": [], "fwd+bwd": []}
-                for T in Ts:
-                    args = jax_inputs(mech, T, D)
-                    fwd, fwd_bwd, block = build(args)
-                    row = {"mechanism": mech, "impl": name, "D": D, "T": T}
-                    for mode, call in [("fwd", fwd), ("fwd+bwd", fwd_bwd)]:
-                        if predicted(history[mode], T) > LIMIT_S:
-                            row[mode] = "skipped (>60 s)"
-                        elif memory(T, mode == "fwd+bwd") > available_bytes() / 2:
-                            row[mode] = "skipped (memory)"
-                        else:
-                            seconds = median_time(call, block)
-                            history[mode].append((T, seconds))
-                            work = flops(mech, T, D) * (3 if mode == "fwd+bwd" else 1)
-                            row[mode] = round(seconds, 5)
-                            row[mode + " GFLOP/s"] = round(work / seconds / 1e9, 2)
-                    print(f"{mech:7s} {name:24s} D={D:<4d} T={T:<6d} fwd={row['fwd']} "
-                          f"fwd+bwd={row['fwd+bwd']}", file=sys.stderr, flush=True)
-                    rows.append(row)
+    for mech, D, name, build, memory in plan:
+        history = {"fwd": [], "fwd+bwd": []}
+        for T in Ts:
+            rows.append(measure_row(mech, D, name, build, memory, T, history))
+            save({"machine": machine, "rows": rows})  # partial results survive a crash
+    order = lambda r: (["gdn", "gla", "softmax"].index(r["mechanism"]), r["D"], r["impl"], r["T"])
+    rows.sort(key=order)
     report = {"machine": machine, "rows": rows, "targets": targets(rows)}
+    save(report)
+    print(markdown(report))
+    print(f"\nwrote {ARGS.out}", file=sys.stderr)
+
+
+def measure_row(mech, D, name, build, memory, T, history):
+    fwd, fwd_bwd, block = build(inputs(mech, T, D))
+    row = {"mechanism": mech, "impl": name, "D": D, "T": T}
+    for mode, call in [("fwd", fwd), ("fwd+bwd", fwd_bwd)]:
+        if predicted(history[mode], T) > LIMIT_S:
+            row[mode] = "skipped (>60 s)"
+        elif memory(T, mode == "fwd+bwd") > available_bytes() / 2:
+            row[mode] = "skipped (memory)"
+        else:
+            seconds = median_time(call, block)
+            history[mode].append((T, seconds))
+            work = flops(mech, T, D) * (3 if mode == "fwd+bwd" else 1)
+            row[mode] = round(seconds, 5)
+            row[mode + " GFLOP/s"] = round(work / seconds / 1e9, 2)
+    print(f"{mech:7s} {name:24s} D={D:<4d} T={T:<6d} fwd={row['fwd']} "
+          f"fwd+bwd={row['fwd+bwd']}", file=sys.stderr, flush=True)
+    return row
+
+
+def save(report):
     os.makedirs(os.path.dirname(ARGS.out) or ".", exist_ok=True)
     with open(ARGS.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(markdown(report))
-    print(f"\nwrote {ARGS.out}", file=sys.stderr)
 
 
 def lookup(rows, mech, impl, D, T, mode):
