@@ -104,6 +104,32 @@ def _looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
 
 
+def source_hf_config(source: str) -> dict:
+    """The HF config of a source without loading its weights (GGUF metadata, config.json, or the hub)."""
+    source = os.fspath(source)
+    if source in _EMBEDDED:
+        source = embedded_gguf_path(source)
+    if source.endswith(".gguf"):
+        cached = os.path.join(gguf_cache_path(source), "config.json")
+        if os.path.isfile(cached):  # reading the GGUF's metadata takes seconds; the cache's config does not
+            source = os.path.dirname(cached)
+        else:
+            return gguf.gguf_hf_config(gguf.open_gguf(source), source)
+    if os.path.isdir(source):
+        path = os.path.join(source, "config.json")
+        if checkpoint.is_checkpoint(source):
+            with open(os.path.join(source, checkpoint.MANIFEST)) as f:
+                return json.load(f)["model_config"]
+        with open(path) as f:
+            return json.load(f)
+    if _looks_like_hub_id(source):
+        from huggingface_hub import hf_hub_download
+
+        with open(hf_hub_download(source, "config.json")) as f:
+            return json.load(f)
+    raise FileNotFoundError(f"model source {source!r} not found")
+
+
 def load(source: str, dtype="float32"):
     """(model, tokenizer) from `source`; see the module docstring for what a source can be."""
     dtype = _dtype(dtype)

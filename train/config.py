@@ -71,8 +71,9 @@ class TrainSection:
                 raise ValueError(f"train.{name} must be ≥ 1, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise ValueError("train.seq_len must be ≥ 2 (one token to predict from another)")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(f"train.warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            raise ValueError(f"train.warmup_steps must be in [0, steps={self.steps}) so the cosine decay has "
+                             f"steps left; got {self.warmup_steps} (lower it with --set train.warmup_steps=N)")
 
     def learning_rate(self, adapter: str | None) -> float:
         if self.lr is not None:

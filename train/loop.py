@@ -53,7 +53,7 @@ def make_train_step(graphdef, optimizer, objective: str, mesh):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
-        return trainable, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
+        return trainable, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
 
     replicated = sharding.replicated_sharding(mesh)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated))
@@ -128,29 +128,32 @@ def run(config, resume: bool = False, progress: bool = True):
 
     train_step = make_train_step(graphdef, optimizer, tc.objective, mesh)
     tokens_per_step = tc.batch_size * tc.seq_len
-    bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,
-               dynamic_ncols=True)
-    with open(metrics_path, "a") as log:
-        while step < tc.steps:
-            start = time.perf_counter()
-            batch = sharding.put_batch(dataset.next_batch(), mesh)
-            lr = float(schedule(step))
-            trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
-            metrics = {k: float(v) for k, v in metrics.items()}
-            elapsed = time.perf_counter() - start
-            step += 1
-            if not all(map(jnp.isfinite, metrics.values())):
-                raise FloatingPointError(f"non-finite metrics at step {step}: {metrics}; the last "
-                                         f"checkpoint (step {manager.latest_step()}) is intact")
-            record = {"step": step, **metrics, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}
-            if jax.process_index() == 0:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            if step % tc.checkpoint_every == 0 or step == tc.steps:
-                save(step)
-    bar.close()
+    try:
+        bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,
+                   dynamic_ncols=True)
+        with open(metrics_path, "a") as log:
+            while step < tc.steps:
+                start = time.perf_counter()
+                batch = sharding.put_batch(dataset.next_batch(), mesh)
+                lr = float(schedule(step))
+                trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
+                metrics = {k: float(v) for k, v in metrics.items()}
+                elapsed = time.perf_counter() - start
+                step += 1
+                if not all(map(jnp.isfinite, metrics.values())):
+                    raise FloatingPointError(f"non-finite metrics at step {step}: {metrics}; the last "
+                                             f"checkpoint (step {manager.latest_step()}) is intact")
+                record = {"step": step, **metrics, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}
+                if jax.process_index() == 0:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+                if step % tc.checkpoint_every == 0 or step == tc.steps:
+                    save(step)
+        bar.close()
+    finally:
+        manager.close()  # stops orbax's background threads (many runs may share a process)
     model = nnx.merge(graphdef, trainable, frozen)
     if jax.process_index() == 0:
         save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype)

@@ -1,0 +1,221 @@
+"""Training: frozen weights untouched, optimizer state, configs, packing, kill/resume, sharding."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import linjax
+from linjax import train
+from linjax.layers import Trainable
+from linjax.train.config import from_dict, load_experiment
+from linjax.train.data import LocalDocuments, PackedTextDataset
+from tests.conftest import ROOT
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
+HUB_FIXTURES = {"meta-llama/Llama-3.1-8B": "llama-3.1-8b.json", "Qwen/Qwen3-8B": "qwen3-8b.json"}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from linjax.convert.gguf import load_gguf_tokenizer
+    from linjax.convert.sources import embedded_gguf_path
+
+    try:
+        return load_gguf_tokenizer(embedded_gguf_path())
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory, tokenizer):
+    """A tiny random LLaMA with SmolLM2's tokenizer, saved as an HF directory."""
+    from linjax.config import tiny_config
+    from linjax.model import CausalLM
+
+    model = CausalLM(tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id),
+                     rngs=nnx.Rngs(0))
+    return linjax.save_hf(model, str(tmp_path_factory.mktemp("tiny") / "model"), tokenizer)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    docs = [{"text": f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(5 + 7 * i))} for i in range(12)]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in docs))
+    return str(path)
+
+
+def experiment(run_dir, source, data, **train_fields):
+    fields = dict(steps=6, seq_len=48, batch_size=2, warmup_steps=1, checkpoint_every=2, seed=3)
+    fields.update(train_fields)
+    return from_dict({"run_dir": str(run_dir), "model": {"source": source},
+                      "linearize": {"mechanism": "gdn", "window": 8, "sinks": 2, "adapter": "shortconv"},
+                      "data": {"paths": [data]}, "train": fields})
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_frozen_weights_stay_bit_identical_and_adam_keeps_two_moments(tiny_source, corpus, tmp_path):
+    from linjax.train.loop import make_optimizer, make_train_step
+    from linjax.train.sharding import make_mesh
+
+    config = experiment(tmp_path / "run", tiny_source, corpus, steps=3)
+    trained = train.run(config, progress=False)
+    base, _ = linjax.load(tiny_source)
+    frozen_filter = nnx.All(nnx.Param, nnx.Not(Trainable))
+    before = jax.tree.leaves(nnx.state(base, frozen_filter))
+    after = jax.tree.leaves(nnx.state(trained, frozen_filter))
+    assert len(before) == len(after) > 0
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The trained model differs from a fresh linearization only in Trainable parameters.
+    fresh = linjax.linearize(base, config.linearize, seed=config.train.seed)
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(fresh, Trainable)),
+                                                        jax.tree.leaves(nnx.state(trained, Trainable)))]
+    assert any(changed)
+    # Optimizer state: AdamW's two moments per trainable parameter and nothing for frozen ones.
+    graphdef, trainable, frozen = nnx.split(fresh, Trainable, ...)
+    optimizer, _ = make_optimizer(config.train, None)
+    opt_state = optimizer.init(trainable)
+    moment_sizes = sum(x.size for x in jax.tree.leaves(opt_state) if x.ndim > 0)
+    assert moment_sizes == 2 * linjax.trainable_parameter_count(fresh)
+    step = make_train_step(graphdef, optimizer, "ce", make_mesh())
+    batch = np.asarray(np.arange(96).reshape(2, 48) % 100, np.int32)
+    new_trainable, new_state, _ = step(trainable, opt_state, frozen, batch)
+    assert jax.tree.structure(new_state) == jax.tree.structure(optimizer.init(new_trainable))
+
+
+def test_trained_run_directory_restores_with_load(tiny_source, corpus, tmp_path):
+    config = experiment(tmp_path / "run", tiny_source, corpus, steps=2)
+    trained = train.run(config, progress=False)
+    restored, tokenizer = linjax.load(str(tmp_path / "run"))
+    assert tokenizer is not None and restored.linearize_config == config.linearize
+    for a, b in zip(jax.tree.leaves(nnx.state(restored)), jax.tree.leaves(nnx.state(trained))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2] and all("loss" in r and "lr" in r for r in records)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train.run(config, progress=False)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)))
+def test_shipped_configs_parse_and_build(path):
+    from linjax.convert.sources import source_hf_config
+
+    config = load_experiment(path)
+    source = config.model.source
+    if source in HUB_FIXTURES:
+        hf_config = os.path.join(FIXTURES, HUB_FIXTURES[source])
+    else:
+        try:
+            hf_config = source_hf_config(source)
+        except FileNotFoundError as err:
+            pytest.skip(str(err))
+    model = linjax.abstract_model(hf_config, config.linearize)
+    assert linjax.trainable_parameter_count(model) > 0
+
+
+def test_unknown_keys_are_named(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('run_dir = "x"\n[train]\nstep = 10\n[data]\npaths = ["a"]\n')
+    with pytest.raises(ValueError, match=r"unknown key in \[train\]: step"):
+        load_experiment(str(path))
+    path.write_text('run_dir = "x"\n[linearize]\nmechanismm = "gdn"\n[data]\npaths = ["a"]\n')
+    with pytest.raises(ValueError, match="mechanismm"):
+        load_experiment(str(path))
+    path.write_text('run_dir = "x"\n[optimizer]\nlr = 1\n')
+    with pytest.raises(ValueError, match="optimizer"):
+        load_experiment(str(path))
+    good = tmp_path / "good.toml"
+    good.write_text('run_dir = "x"\n[data]\npaths = ["a"]\n')
+    config = load_experiment(str(good), ["train.lr=1e-3", 'linearize.adapter="lora"', "train.steps=7",
+                                               "train.warmup_steps=2"])
+    assert (config.train.lr, config.linearize.adapter, config.train.steps) == (1e-3, "lora", 7)
+    assert load_experiment(str(good)).train.learning_rate("lora") == 5e-4
+
+
+def test_packing_separates_documents_with_eos_and_survives_resume(corpus, tokenizer):
+    documents = LocalDocuments([corpus])
+    make = lambda: PackedTextDataset(documents, tokenizer, seq_len=16, batch_size=2, seed=5)
+    dataset = make()
+    stream = np.concatenate([dataset.next_batch().ravel() for _ in range(12)])
+    # Expected: epoch 0's documents in the seed's order, each followed by EOS, then epoch 1's.
+    expected = []
+    for epoch in range(3):
+        for text in documents.iterate(5, epoch, 0):
+            expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    np.testing.assert_array_equal(stream, np.asarray(expected[:len(stream)]))
+    # Resuming from a saved position continues the stream exactly.
+    first = make()
+    head = [first.next_batch() for _ in range(5)]
+    saved = json.loads(json.dumps(first.state()))
+    second = make()
+    second.restore(saved)
+    tail = [second.next_batch() for _ in range(7)]
+    np.testing.assert_array_equal(np.concatenate([b.ravel() for b in head + tail]), stream)
+
+
+def _train_command(config_path, *extra):
+    return [sys.executable, "-m", "linjax.cli", "train", str(config_path), "--no-progress", *extra]
+
+
+def _write_toml(path, config):
+    def value(v):
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+    raw = config.to_dict()
+    lines = [f"run_dir = {value(raw.pop('run_dir'))}"]
+    for section, fields in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in fields.items() if v is not None]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_source, corpus, tmp_path):
+    steps = 8
+    reference = experiment(tmp_path / "reference", tiny_source, corpus, steps=steps)
+    train.run(reference, progress=False)
+    config_path = tmp_path / "killed.toml"
+    _write_toml(config_path, experiment(tmp_path / "killed", tiny_source, corpus, steps=steps))
+    process = subprocess.Popen(_train_command(config_path), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    checkpoint = tmp_path / "killed" / "checkpoints" / "4"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.exists(), process.stderr.read().decode()[-2000:] if process.poll() is not None else "timeout"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "killed" / "linjax.json").exists(), "the run finished before it could be killed"
+    result = subprocess.run(_train_command(config_path, "--resume"), cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    got, expected = losses(tmp_path / "killed"), losses(tmp_path / "reference")
+    assert len(got) == steps
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_eight_devices_train_like_one(tiny_source, corpus, tmp_path):
+    one = experiment(tmp_path / "one", tiny_source, corpus, steps=3, batch_size=8, seq_len=32)
+    train.run(one, progress=False)
+    config_path = tmp_path / "eight.toml"
+    eight = experiment(tmp_path / "eight", tiny_source, corpus, steps=3, batch_size=8, seq_len=32, mesh_fsdp=2)
+    _write_toml(config_path, eight)
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], env=env,
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "8"
+    result = subprocess.run(_train_command(config_path), cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    np.testing.assert_allclose(losses(tmp_path / "eight"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
