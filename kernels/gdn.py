@@ -208,10 +208,13 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=6
     tree, from_start, to_end = factors[..., :-2, :, :], factors[..., -2, :, :], factors[..., -1, :, :]
 
     a_qk, a_kk = _intra_chunk(q32, k32, tree)
-    system = jnp.eye(C, dtype=jnp.float32) + beta32[..., None] * a_kk   # I + Diag(β) tril₋₁(A)
-    rhs = beta32[..., None] * jnp.concatenate([k32 * from_start, v32], axis=-1)
-    wu = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-    w, u_tilde = wu[..., :Dk], wu[..., Dk:]                # W [..,C,Dk], Ũ [..,C,Dv]
+    eye = jnp.eye(C, dtype=jnp.float32)
+    system = eye + beta32[..., None] * a_kk                # I + Diag(β) tril₋₁(A), [B,H,N,C,C]
+    # T⁻¹Diag(β) explicitly, then two matmuls: faster on CPU than solving for 2·D right sides.
+    t_inv = solve_triangular(system, jnp.broadcast_to(eye, system.shape), lower=True,
+                             unit_diagonal=True) * beta32[..., None, :]
+    w = jnp.einsum("bhnij,bhnjk->bhnik", t_inv, k32 * from_start)      # W [B,H,N,C,Dk]
+    u_tilde = jnp.einsum("bhnij,bhnjv->bhniv", t_inv, v32)              # Ũ [B,H,N,C,Dv]
     k_out = k32 * to_end                                   # k_j ⊙ e^{G_C − G_j}
     decay = from_start[..., -1, :]                         # Γ_C [B,H,N,Dg]
 
