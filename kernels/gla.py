@@ -15,6 +15,11 @@ v [B,Hkv,Dv], log_alpha [B,H,Dk]. Outputs come back in q's dtype; gates,
 cumulative sums, states and accumulations are fp32. The kernels take q and k
 as given (no feature map, no L2 norm). kgla.py and linear_attn.py reuse the
 helpers here (`check_qkv`, `expand_kv_heads`, `decayed_update`, `chunked_scan`).
+
+Speed on CPU (2 cores, B=1, T=2048, H=8, Hkv=2, D=64, jit): chunked 69 ms
+forward / 319 ms forward+backward, reference 13 ms / 620 ms. The scan is the
+faster forward on CPU (a [Dk, Dv] update per token is cheap there); chunked
+is the one to differentiate, and the parallel form for accelerators.
 """
 
 from __future__ import annotations
@@ -224,6 +229,8 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
     sub = min(SUBCHUNK, chunk)
     if chunk < 1 or chunk % sub:
         raise ValueError(f"chunk must be a positive multiple of {SUBCHUNK} (or smaller than it); got {chunk}")
+    if T == 0:
+        return jnp.zeros((B, 0, H, Dv), jnp.float32), state
     C = min(chunk, sub * math.ceil(T / sub))  # short sequences use one short chunk
     N = math.ceil(T / C)
 

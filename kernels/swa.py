@@ -19,6 +19,9 @@ Softmax part (GQA as in gla.py: query head h reads kv head h // (H // Hkv)):
     empty_cache(batch, kv_heads, key_dim, value_dim, *, sinks, window, dtype) -> WindowCache
     update_cache(cache, k, v) -> WindowCache
 
+The decode state after a prefill is `prefill(q, k, v, empty_cache(...))[1]`
+(or `update_cache(empty_cache(...), k, v)` when the prefill ran `chunked`).
+
 SoftmaxParts keeps the statistics unnormalised (fp32) so a mixer can add a
 linear term with or without a shared normaliser:
     o = numerator / row_sum                      (parts.normalized())
@@ -176,6 +179,8 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
     """
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_budget(sinks, window)
+    if T == 0:
+        raise ValueError("swa.chunked needs at least one token (T = 0)")
     scale = Dk ** -0.5 if scale is None else scale
     G = H // Hkv
     f32 = lambda x: x.astype(jnp.float32)
