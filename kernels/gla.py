@@ -131,8 +131,9 @@ def step(q, k, v, log_alpha, *, state=None, scale=None):
     check_shape(log_alpha, (B, H, Dk), "log_alpha ([B, H, Dk])")
     scale = Dk ** -0.5 if scale is None else scale
     f32 = lambda x: x.astype(jnp.float32)
-    state, o = decayed_update(initial_state_or_zeros(state, (B, H, Dk, Dv), "state"), f32(q), f32(expand_kv_heads(k, H)),
-                              f32(expand_kv_heads(v, H)), jnp.exp(f32(log_alpha)), scale)
+    state = initial_state_or_zeros(state, (B, H, Dk, Dv), "state")
+    state, o = decayed_update(state, f32(q), f32(expand_kv_heads(k, H)), f32(expand_kv_heads(v, H)),
+                              jnp.exp(f32(log_alpha)), scale)
     return o.astype(q.dtype), state
 
 

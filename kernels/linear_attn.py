@@ -1,4 +1,4 @@
-"""Normalised linear attention (the Hedgehog form): o_t = qᵀS_t / qᵀz_t, S_t = Σ_{i≤t} k_i v_iᵀ, z_t = Σ_{i≤t} k_i.
+"""Normalised linear attention (the Hedgehog form): o_t = qᵀS_t / qᵀz_t, S_t = Σ k_i v_iᵀ, z_t = Σ k_i (i ≤ t).
 
 The paper's eq. (normalized-linear-attention), with the feature maps already
 applied: pass φ(q), φ(k) as q, k (the kernel applies none). It runs as GLA

@@ -3,7 +3,6 @@ the unnormalised mode for the window mixer, and FLA's naive linear attention as 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,8 +10,8 @@ import pytest
 from linjax.kernels import linear_attn
 from tests.helpers import relative_rms
 from tests.kernels.fla_oracle import fla_naive
-from tests.kernels.test_gla import (REDUCED_GRID, REDUCED_IDS, compare_bf16, compare_chunked, compare_split, compare_step,
-                                    random_inputs)
+from tests.kernels.test_gla import (REDUCED_GRID, REDUCED_IDS, compare_bf16, compare_chunked, compare_split,
+                                    compare_step, random_inputs)
 
 
 @pytest.mark.parametrize("T, Hkv, D, init", REDUCED_GRID, ids=REDUCED_IDS)
@@ -42,7 +41,7 @@ def test_bf16_inputs():
 
 
 def test_state_layout_and_unnormalised_mode():
-    """state[..., :Dv] = Σ k vᵀ, state[..., Dv] = Σ k; normalize=False gives numerator with o = numerator/normaliser."""
+    """state[..., :Dv] = Σ k vᵀ, state[..., Dv] = Σ k; normalize=False gives o = numerator / normaliser."""
     (q, k, v), _ = random_inputs("linear_attn", 5, 40, 4, 16)
     o, state, normaliser = linear_attn.chunked(q, k, v)
     numerator, state_raw, normaliser_raw = linear_attn.chunked(q, k, v, normalize=False)

@@ -149,7 +149,7 @@ def test_linear_state_and_window_cover_every_position_once(T, sinks, window, chu
 
 
 def _explicit_linear_term(q, k, v, decay, sinks, window, scale):
-    """y_t = scale Σ_{s ≤ j ≤ t−w} (q_t ⊙ Π_{j<i≤t−w} decay_i)·k_j v_j, by loops (float64). decay [T, Dk]."""
+    """y_t = scale Σ_{s≤j≤t−w} (q_t ⊙ Π_{j<i≤t−w} decay_i)·k_j v_j by loops (float64); decay [T, Dk]."""
     T = q.shape[0]
     y = np.zeros((T, v.shape[1]))
     for t in range(T):
