@@ -2,6 +2,7 @@
 
     python bench/kernels.py            # full: D ∈ {64, 128}, T ∈ {512 … 16384}
     python bench/kernels.py --quick    # D = 64, T ∈ {512, 1024}
+    python bench/kernels.py --targets  # GDN and SDPA at D = 128, T ∈ {1024, 4096, 16384}
 
 Times the forward and the forward+backward of GDN (Kimi form, per-channel
 gate) and GLA at B = 1, H = 8:
@@ -47,6 +48,8 @@ TORCH_METHODS = {"torch SDPA", "FLA naive_chunk_kda", "FLA naive_recurrent_gla"}
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="D = 64, T ∈ {512, 1024} only")
+    p.add_argument("--targets", action="store_true",
+                   help="only what the speed targets need: GDN and SDPA, D = 128, T ∈ {1024, 4096, 16384}")
     p.add_argument("--out", default="bench/results/kernels.json", help="JSON results path")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for torch and XLA (default: all cores)")
@@ -227,8 +230,10 @@ def predicted(history, T):
 
 
 def main():
-    Ds = [64] if ARGS.quick else [64, 128]
-    Ts = [512, 1024] if ARGS.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    Ds = [64] if ARGS.quick else [128] if ARGS.targets else [64, 128]
+    Ts = ([512, 1024] if ARGS.quick else [1024, 4096, 16384] if ARGS.targets
+          else [512, 1024, 2048, 4096, 8192, 16384])
+    mechs = ["gdn", "softmax"] if ARGS.targets else ["gdn", "gla", "softmax"]
     peak = matmul_gflops()
     machine = {"cpu_count": os.cpu_count(), "threads": ARGS.threads,
                "processor": platform.processor() or platform.machine(),
@@ -240,8 +245,9 @@ def main():
     # All JAX methods first, then the PyTorch ones: going back to XLA after
     # torch's OpenMP pool has run once left a block_until_ready hanging here.
     plan = [(mech, D, name, build, memory)
-            for mech in ["gdn", "gla", "softmax"] for D in Ds
-            for name, (build, memory) in methods(mech, D).items()]
+            for mech in mechs for D in Ds
+            for name, (build, memory) in methods(mech, D).items()
+            if not (ARGS.targets and name == "XLA attention")]
     plan.sort(key=lambda p: p[2] in TORCH_METHODS)
     rows = []
     for mech, D, name, build, memory in plan:
