@@ -144,31 +144,19 @@ def load_hf_directory(directory: str, dtype=jnp.float32) -> CausalLM:
     return model_from_tensors(config, read_safetensors(directory), dtype, source=directory)
 
 
-def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
-    """Writes `config.json` + `model.safetensors` (+ tokenizer files) that transformers loads.
-
-    The directory is written next to its final place and renamed into it, so an
-    interrupted export never leaves a half-written model behind.
-    """
+def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=None):
+    """config.json + model.safetensors (+ tokenizer files), written next to `directory` and renamed
+    into place, so an interrupted write never leaves a half-written model behind."""
     from safetensors.numpy import save_file
 
-    if not isinstance(model, CausalLM):
-        raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
     directory = os.path.abspath(directory)
-    if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
-            os.path.join(directory, "config.json")):
-        raise FileExistsError(f"{directory} exists and does not look like a model export; "
-                              "choose an empty or new directory")
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".linjax-export-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=".linjax-write-", dir=parent)
     try:
-        config = model.config.to_hf()
-        config["torch_dtype"] = config["dtype"] = str(model.dtype)
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        save_file(model_tensors(model), os.path.join(staging, "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if os.path.isdir(directory):
@@ -177,4 +165,18 @@ def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
+    """Writes `config.json` + `model.safetensors` (+ tokenizer files) that transformers loads."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
+    directory = os.path.abspath(directory)
+    if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
+            os.path.join(directory, "config.json")):
+        raise FileExistsError(f"{directory} exists and does not look like a model export; "
+                              "choose an empty or new directory")
+    config = model.config.to_hf()
+    config["torch_dtype"] = config["dtype"] = str(model.dtype)
+    write_hf_directory(directory, config, model_tensors(model), tokenizer)
     return directory

@@ -14,8 +14,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 
 import jax.numpy as jnp
 
@@ -66,26 +64,12 @@ def gguf_cache_path(path: str) -> str:
 
 def convert_gguf_to_hf_directory(path: str, directory: str) -> str:
     """Dequantises a GGUF file into an HF directory (config, fp32 safetensors, tokenizer), atomically."""
-    from safetensors.numpy import save_file
-
     reader = gguf.open_gguf(path)
     config = gguf.gguf_hf_config(reader, path)
     tensors = gguf.gguf_tensors(reader, config, path)
     tokenizer = gguf.load_gguf_tokenizer(path, reader)
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".linjax-gguf-", dir=parent)
-    try:
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump({**ModelConfig.from_hf(config).to_hf(), "torch_dtype": "float32"}, f, indent=2)
-        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(staging)
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    config = {**ModelConfig.from_hf(config).to_hf(), "torch_dtype": "float32"}
+    hf.write_hf_directory(directory, config, tensors, tokenizer)
     return directory
 
 

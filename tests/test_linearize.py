@@ -195,3 +195,14 @@ def test_linearized_generate_is_greedy_under_one_full_pass(tiny_models):
     full, _ = jitted(model)
     predicted = np.asarray(full(jnp.asarray(out))).argmax(-1)
     np.testing.assert_array_equal(out[:, 6:], predicted[:, 5:-1])
+
+
+@pytest.mark.parametrize("mechanism", ["gla", "gdn", "hedgehog"])
+def test_jitted_equals_eager_at_head_dim_64(mechanism):
+    # jaxlib 0.10's CPU "ynn" fusion once turned jitted chunked kernels into garbage at head dim 64
+    # (linjax disables it on import); eager execution never fuses, so it is the witness.
+    base = CausalLM(tiny_config("llama", num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                head_dim=64, hidden_size=128), rngs=nnx.Rngs(2))
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism=mechanism, window=0, sinks=0))
+    tokens = tokens_for(model, 70, seed=4)
+    assert relative_rms(np.asarray(jitted(model)[0](tokens)), np.asarray(model(tokens))) <= 1e-5
