@@ -5,6 +5,7 @@ gradient), and `reference` against FLA's naive PyTorch recurrences, an independe
 Each shape compiles one function returning both kernels' outputs and gradients together.
 """
 
+import functools
 import importlib.util
 import itertools
 import os
@@ -109,6 +110,13 @@ def test_chunked_matches_reference(T, Hkv, D, per_channel, with_state):
     assert_same_run(got, want, tol=1e-5, grad_tol=1e-4)
 
 
+def test_chunk64_gradients():
+    """The grid runs the default chunk; check the 64-token blocks of the paper's setup too."""
+    x = make_inputs(2, 200, 2, 32)
+    got, want = run_both(x, kernels=(functools.partial(gdn.chunked, chunk=64), gdn.reference))
+    assert_same_run(got, want, tol=1e-5, grad_tol=1e-4)
+
+
 @pytest.mark.parametrize("per_channel", [True, False], ids=["chan", "scalar"])
 def test_chunked_bf16_inputs(per_channel):
     x = make_inputs(3, 200, 2, 64, per_channel=per_channel, dtype=jnp.bfloat16)
@@ -122,7 +130,7 @@ def test_chunked_bf16_inputs(per_channel):
 def test_chunk_sizes_agree():
     """Any power-of-two chunk gives the same result, including chunks longer than T."""
     x = make_inputs(4, 100, 2, 16)
-    chunks = (1, 8, 32, 128)
+    chunks = (1, 8, 16, 64, 128)
     runs = compiled(lambda x: [gdn.reference(**x)] + [gdn.chunked(**x, chunk=c) for c in chunks], x)
     (want, s_want), got = runs[0], runs[1:]
     for chunk, (o, s) in zip(chunks, got):
