@@ -64,9 +64,11 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
     directory = os.path.abspath(directory)
     if os.path.exists(base_source):
         base_source = os.path.abspath(base_source)
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = ocp.StandardCheckpointer()  # every process takes part in a multi-process save
     checkpointer.save(os.path.join(directory, "trainable"), nnx.state(model, Trainable), force=True)
     checkpointer.wait_until_finished()
+    if jax.process_index() != 0:
+        return directory
     manifest = {"format_version": FORMAT_VERSION, "kind": "trained", "base_source": base_source,
                 "dtype": str(jnp.dtype(dtype)), "model_config": model.config.to_hf(),
                 "linearize": model.linearize_config.to_dict()}
@@ -75,6 +77,13 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
         json.dump(manifest, f, indent=2)
     os.replace(tmp, os.path.join(directory, MANIFEST))
     return directory
+
+
+def _on_this_process(tree):
+    """Restore targets on this process's first device: a checkpoint written by a multi-device or
+    multi-process run carries its own shardings, which need not exist here."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
 
 
 def _load_trained(directory: str, manifest: dict, dtype):
@@ -88,8 +97,8 @@ def _load_trained(directory: str, manifest: dict, dtype):
     if model.config != ModelConfig.from_hf(manifest["model_config"]):
         raise ValueError(f"{directory}: the base model at {manifest['base_source']!r} has changed since training")
     model = linearize(model, LinearizeConfig.from_dict(manifest["linearize"]))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.state(model, Trainable))
-    nnx.update(model, ocp.StandardCheckpointer().restore(os.path.join(directory, "trainable"), abstract))
+    target = _on_this_process(nnx.state(model, Trainable))
+    nnx.update(model, ocp.StandardCheckpointer().restore(os.path.join(directory, "trainable"), target))
     return model, tokenizer
 
 
@@ -110,7 +119,7 @@ def load_checkpoint(directory: str, dtype=None):
     linearized = manifest.get("linearize")
     linearized = None if linearized is None else LinearizeConfig.from_dict(linearized)
     graphdef, abstract_state = nnx.split(abstract_model(config, linearized, dtype=saved_dtype))
-    state = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract_state)
+    state = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
     model = nnx.merge(graphdef, state)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         model = cast_model(model, dtype)

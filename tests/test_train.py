@@ -219,3 +219,27 @@ def test_eight_devices_train_like_one(tiny_source, corpus, tmp_path):
     result = subprocess.run(_train_command(config_path), cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     np.testing.assert_allclose(losses(tmp_path / "eight"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
+
+
+def test_two_processes_train_like_one(tiny_source, corpus, tmp_path):
+    """jax.distributed on localhost: two CPU processes (one device each) form one 2-device mesh."""
+    import socket
+
+    one = experiment(tmp_path / "one", tiny_source, corpus, steps=3, batch_size=2, seq_len=32)
+    train.run(one, progress=False)
+    config_path = tmp_path / "two.toml"
+    _write_toml(config_path, experiment(tmp_path / "two", tiny_source, corpus, steps=3, batch_size=2, seq_len=32))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = []
+    for rank in range(2):
+        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(rank))
+        processes.append(subprocess.Popen(_train_command(config_path), cwd=tmp_path, env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate(timeout=600)[1] for p in processes]
+    assert all(p.returncode == 0 for p in processes), "\n".join(e[-1500:] for e in errors)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
+    restored, _ = linjax.load(str(tmp_path / "two"))
+    assert restored.linearize_config == one.linearize

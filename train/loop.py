@@ -155,6 +155,5 @@ def run(config, resume: bool = False, progress: bool = True):
     finally:
         manager.close()  # stops orbax's background threads (many runs may share a process)
     model = nnx.merge(graphdef, trainable, frozen)
-    if jax.process_index() == 0:
-        save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype)
+    save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype)
     return model

@@ -24,7 +24,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 def maybe_initialize_distributed():
     """`jax.distributed.initialize()` when the standard environment variables ask for it."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS") and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
-        jax.distributed.initialize()
+        # CPU processes need a collectives backend to talk to each other; GPUs use NCCL regardless.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                                   num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                                   process_id=int(os.environ["JAX_PROCESS_ID"]))
 
 
 def make_mesh(data: int = -1, fsdp: int = 1) -> Mesh:
