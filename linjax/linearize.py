@@ -54,7 +54,7 @@ class LinearizeConfig:
     conv_kernel: int = 8
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    chunk: int = 64
+    chunk: int | None = None  # the kernels' chunk length; None: each kernel's own default
     kernel: str = "chunked"
 
     def __post_init__(self):
@@ -76,7 +76,7 @@ class LinearizeConfig:
         if self.combine == "mixed" and not self.window:
             raise ValueError("combine='mixed' mixes the linear and window parts; it needs window ≥ 1")
         for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         keep = self.keep_full_attention
         if isinstance(keep, (list, tuple)):

@@ -206,3 +206,13 @@ def test_jitted_equals_eager_at_head_dim_64(mechanism):
     model = linjax.linearize(base, linjax.LinearizeConfig(mechanism=mechanism, window=0, sinks=0))
     tokens = tokens_for(model, 70, seed=4)
     assert relative_rms(np.asarray(jitted(model)[0](tokens)), np.asarray(model(tokens))) <= 1e-5
+
+
+@pytest.mark.parametrize("mechanism", ["gla", "gdn", "hedgehog"])
+def test_pallas_kernels_inside_the_model_match_chunked(tiny_models, mechanism):
+    base = tiny_models["qwen3"]
+    settings = dict(mechanism=mechanism, window=8, sinks=2, adapter="shortconv")
+    chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings), seed=1)
+    pallas = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="pallas"), seed=1)
+    tokens = tokens_for(base, 40, seed=6)
+    assert relative_rms(np.asarray(jitted(pallas)[0](tokens)), np.asarray(jitted(chunked)[0](tokens))) <= 1e-5

@@ -82,6 +82,8 @@ class LinearMixer(nnx.Module):
     def _run_kernel(self, q, k, v, gates, state, decode: bool):
         """(output or numerator, new state, normaliser or None) from the mechanism's kernel."""
         extra = {"normalize": False} if self.normalized else {}
+        if self.chunk is not None and not decode:
+            extra["chunk"] = self.chunk
         if self.linear_scale is not None:
             extra["scale"] = self.linear_scale
         if decode:
@@ -91,7 +93,7 @@ class LinearMixer(nnx.Module):
                 out = (out[0], out[1], out[2][:, None])
         else:
             run = self.kernel.pallas if self.use_pallas else self.kernel.chunked
-            out = run(q, k, v, *gates, initial_state=state, chunk=self.chunk, **extra)
+            out = run(q, k, v, *gates, initial_state=state, **extra)
         return (out[0], out[1], out[2] if self.normalized else None)
 
     def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> LinearState:
@@ -152,12 +154,13 @@ class LinearMixer(nnx.Module):
         if self.window:
             if state is None:
                 parts = swa.chunked(softmax_q, softmax_k, softmax_v, sinks=self.sinks, window=self.window,
-                                    chunk=self.chunk)
+                                    **self._window_chunk())
             elif decode:
                 parts, window_state = swa.step(softmax_q[:, 0], softmax_k[:, 0], softmax_v[:, 0], state.window)
                 parts = jax.tree.map(lambda a: a[:, None], parts)
             else:
-                parts, window_state = swa.prefill(softmax_q, softmax_k, softmax_v, state.window, chunk=self.chunk)
+                parts, window_state = swa.prefill(softmax_q, softmax_k, softmax_v, state.window,
+                                                  **self._window_chunk())
             y = self._combine(lin_out, normaliser, parts)
         elif self.normalized:
             y = lin_out / (normaliser[..., None] + 1e-10)
@@ -167,6 +170,9 @@ class LinearMixer(nnx.Module):
         if state is None:
             return out
         return out, LinearState(linear_state, start + t, conv_state, window_state, shifted_state)
+
+    def _window_chunk(self):
+        return {} if self.chunk is None else {"chunk": self.chunk}
 
     def _combine(self, lin_out, normaliser, parts: swa.SoftmaxParts):
         lin_out = lin_out.astype(jnp.float32)
