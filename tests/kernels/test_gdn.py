@@ -21,9 +21,6 @@ from tests.helpers import relative_rms
 
 ARGS = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 B, H = 2, 4
-# These tests compile ~100 small programs; XLA's backend optimisation buys nothing at these
-# sizes and costs about a third of the compile time.
-FAST_COMPILE = {}
 
 
 def make_inputs(seed, T, Hkv, D, *, per_channel=True, with_state=True, normalise=True,
@@ -68,7 +65,7 @@ def run_both(x, kernels=(gdn.chunked, gdn.reference), grads=True, seed=7):
 
 def compiled(fn, *args):
     """fn(*args), jitted as one program (eager dispatch would compile every op on its own)."""
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
+    return jax.jit(fn)(*args)
 
 
 def assert_close(got, want, tol, what):
