@@ -144,9 +144,10 @@ def load_hf_directory(directory: str, dtype=jnp.float32) -> CausalLM:
     return model_from_tensors(config, read_safetensors(directory), dtype, source=directory)
 
 
-def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=None):
-    """config.json + model.safetensors (+ tokenizer files), written next to `directory` and renamed
-    into place, so an interrupted write never leaves a half-written model behind."""
+def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=None, extra_files=None):
+    """config.json + model.safetensors (+ tokenizer files, + `extra_files` {name: source path}, e.g.
+    modeling code), written next to `directory` and renamed into place, so an interrupted write never
+    leaves a half-written model behind."""
     from safetensors.numpy import save_file
 
     directory = os.path.abspath(directory)
@@ -159,6 +160,8 @@ def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=No
         save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, os.path.join(staging, name))
         if os.path.isdir(directory):
             shutil.rmtree(directory)
         os.replace(staging, directory)
@@ -167,15 +170,28 @@ def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=No
         raise
 
 
-def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
-    """Writes `config.json` + `model.safetensors` (+ tokenizer files) that transformers loads."""
-    if not isinstance(model, CausalLM):
-        raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
+def check_export_directory(directory: str) -> str:
+    """The absolute path, if writing there replaces nothing but an earlier export."""
     directory = os.path.abspath(directory)
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
             os.path.join(directory, "config.json")):
         raise FileExistsError(f"{directory} exists and does not look like a model export; "
                               "choose an empty or new directory")
+    return directory
+
+
+def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
+    """Writes `config.json` + `model.safetensors` (+ tokenizer files) that transformers loads.
+
+    A linearized model has no standard architecture: it goes to `linjax.convert.export.export_hf`,
+    which adds PyTorch modeling code (`trust_remote_code=True`)."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
+    if model.linearize_config is not None:
+        from linjax.convert.export import export_hf
+
+        return export_hf(model, directory, tokenizer)
+    directory = check_export_directory(directory)
     config = model.config.to_hf()
     config["torch_dtype"] = config["dtype"] = str(model.dtype)
     write_hf_directory(directory, config, model_tensors(model), tokenizer)

@@ -4,6 +4,7 @@ Public API:
     model, tokenizer = linjax.load("smollm2-135m")     # or an HF id / directory / .gguf / checkpoint
     logits = model(tokens)                              # int32 [batch, time] → [batch, time, vocab]
     linjax.save_hf(model, "out/")                       # back to a transformers directory
+                                                        # (linearized: modeling code, trust_remote_code=True)
 """
 
 import importlib.metadata as _metadata
@@ -42,7 +43,10 @@ def load(source, dtype="float32"):
 
 
 def save_hf(model, directory, tokenizer=None):
-    """Writes `config.json` + `model.safetensors` (+ tokenizer) that `transformers` loads."""
+    """Writes `config.json` + `model.safetensors` (+ tokenizer) that `transformers` loads.
+
+    A linearized model also gets `modeling_linjax.py`: load it with
+    `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`, no JAX needed."""
     from linjax.convert.hf import save_hf as _save_hf
 
     return _save_hf(model, directory, tokenizer)

@@ -2,6 +2,7 @@
 
     linjax convert SOURCE --out DIR [--format hf|linjax|both] [--dtype bfloat16]
     linjax linearize SOURCE --mechanism gdn --window 56 --sinks 8 --adapter shortconv --out DIR
+    linjax export SOURCE --out DIR        (an HF directory PyTorch loads; linearized: trust_remote_code)
     linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
     linjax train CONFIG.toml [--set section.key=value ...] [--resume]
 
@@ -68,6 +69,19 @@ def _linearize(args):
     print(f"linearized {args.source}: {names.count(args.mechanism)}/{len(names)} layers {args.mechanism}, "
           f"window {config.window}, sinks {config.sinks}, adapter {config.adapter}; "
           f"{linjax.trainable_parameter_count(model) / 1e6:.2f}M new parameters (untrained) → {args.out}")
+
+
+def _export(args):
+    import linjax
+
+    model, tokenizer = linjax.load(args.source)
+    out = linjax.save_hf(model, args.out, tokenizer)
+    if model.linearize_config is None:
+        how = f"{model.config.architecture}: AutoModelForCausalLM.from_pretrained(DIR)"
+    else:
+        how = ("LinjaxForCausalLM (modeling_linjax.py, no JAX needed): "
+               "AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)")
+    print(f"exported {args.source} → {out}: {how}")
 
 
 def _generate(args):
@@ -138,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_linearize)
+
+    p = sub.add_parser("export", help="write an HF directory PyTorch loads without JAX (linearized models too)")
+    p.add_argument("source", help="anything linjax.load accepts, e.g. a linjax checkpoint or run directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("train", help="train the new parameters of a linearized model (TOML experiment)")
     p.add_argument("config", help="experiment TOML file (see README, 'Training')")
