@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-__all__ = ["reference", "chunked", "step"]
+__all__ = ["reference", "chunked", "step", "pallas"]
 
 
 # ----------------------------------------------------------------------------- inputs
