@@ -14,10 +14,11 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
 - the short-conv adapter runs on q, k, v after RoPE; a LoRA adapter is already
   merged into the q/k/v/o weights by the exporter (exact: the mixer applies it
   to both the softmax and the linear part);
-- the linear recurrences run token by token (the kernels' "reference" form):
-  exact and simple, O(T) memory, but slow for long prompts; there is no KV /
-  state cache, so `generate` recomputes the whole prefix every step
-  (exact, quadratic in the generated length).
+- the linear recurrences run a chunk of 16 tokens at a time (`chunked_linear`;
+  `linear_recurrence` is the token-by-token reference, kept for checking);
+  the window softmax uses a dense [T, T] mask; there is no KV / state cache, so
+  `generate` recomputes the whole prefix every step (exact, quadratic in the
+  generated length).
 
 Kernel math (linjax/kernels/*.py), per query head h reading kv head h // (H // Hkv),
 state S_t including token t, o_t = scale · S_tᵀ q_t, scale = Dk^-1/2:
@@ -278,6 +279,61 @@ def linear_recurrence(kind: str, q, k, v, gates, scale: float):
     return torch.stack(outs, dim=1)
 
 
+def chunked_linear(kind: str, q, k, v, gates, scale: float, chunk: int = 16):
+    """`linear_recurrence`'s output computed a chunk at a time (same arguments; fp32).
+
+    Inside a chunk, with G_i = Σ_{t≤i} log α_t (per channel, from the chunk start) and S_0 the
+    state before it, every exponent below is a sum of log-gates over the span it decays, so ≤ 0:
+        o_i = scale · [(q_i ⊙ e^{G_i})ᵀ S_0 + Σ_{j≤i} (Σ_d q_id k_jd e^{G_id − G_jd}) u_j]
+        S_C = Diag(e^{G_C}) S_0 + Σ_j (k_j ⊙ e^{G_C − G_j}) u_jᵀ
+    with u_j = v_j for GLA / kGLA / Hedgehog, and for the delta rule (GDN) the solution of the
+    unit lower-triangular system u_i + β_i Σ_{j<i} (Σ_d k_id k_jd e^{G_id − G_jd}) u_j
+    = β_i (v_i − (k_i ⊙ e^{G_i})ᵀ S_0) (the WY form of kernels/gdn.py).
+    """
+    B, T, H, Dk = q.shape
+    if kind in ("gla", "kgla", "gdn"):
+        log_decay = gates[0]
+    elif kind == "gdn_scalar":
+        log_decay = gates[0][..., None].expand(B, T, H, Dk)
+    else:  # hedgehog
+        log_decay = torch.zeros_like(q)
+    if kind == "kgla":  # kernels/kgla.py key_log_gate
+        erase = gates[1][..., None] * k * k
+        log_decay = log_decay + torch.log1p(-torch.clamp(erase, max=1.0 - KEY_GATE_FLOOR))
+    delta = kind in ("gdn", "gdn_scalar")
+    beta = gates[1] if delta else None
+
+    n = -(-T // chunk)
+    pad = n * chunk - T  # padded tokens: k = 0, v = 0, log α = 0, β = 0 change nothing before them
+    to_chunks = lambda x: F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)).transpose(1, 2).reshape(
+        B, H, n, chunk, *x.shape[3:])
+    q, k, v, log_decay = map(to_chunks, (q, k, v, log_decay))
+    if delta:
+        beta = F.pad(beta, (0, 0, 0, pad)).transpose(1, 2).reshape(B, H, n, chunk)
+    G = log_decay.cumsum(dim=3)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    S = q.new_zeros(B, H, Dk, v.shape[-1])
+    outs = []
+    for c in range(n):
+        qc, kc, vc, Gc = q[:, :, c], k[:, :, c], v[:, :, c], G[:, :, c]
+        span = (Gc[:, :, :, None, :] - Gc[:, :, None, :, :]).masked_fill(~causal[:, :, None], -math.inf)
+        pair_decay = span.exp()  # [B,H,i,j,Dk] = e^{G_i − G_j} for j ≤ i, else 0
+        qk = torch.einsum("bhid,bhijd,bhjd->bhij", qc, pair_decay, kc)
+        gamma = Gc.exp()
+        if delta:
+            kk = torch.einsum("bhid,bhijd,bhjd->bhij", kc, pair_decay, kc).tril(-1)
+            system = torch.eye(chunk, device=q.device) + beta[:, :, c, :, None] * kk
+            rhs = beta[:, :, c, :, None] * (vc - (kc * gamma) @ S)
+            u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        else:
+            u = vc
+        outs.append(scale * ((qc * gamma) @ S + qk @ u))
+        last = Gc[:, :, -1:]
+        S = last.exp().transpose(-1, -2) * S + (kc * (last - Gc).exp()).transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).reshape(B, H, n * chunk, -1).transpose(1, 2)
+    return o[:, :T]
+
+
 class LinearAttention(Attention):
     """A linear mixer on the pretrained projections (linjax/mixers/linear.py)."""
 
@@ -285,6 +341,7 @@ class LinearAttention(Attention):
         super().__init__(config)
         settings = config.linearize
         self.kind = kind
+        self.form = "chunked"  # or "recurrent": `linear_recurrence`, token by token (the reference)
         self.window, self.sinks = int(settings.get("window", 0)), int(settings.get("sinks", 0))
         self.combine = settings.get("combine", "sum")
         d, H, hd = config.hidden_size, self.num_heads, self.head_dim
@@ -333,7 +390,8 @@ class LinearAttention(Attention):
             k, v, gates = shift_linear_inputs(k, v, gates, self.sinks, self.window)
         H = self.num_heads
         scale = 1.0 if self.kind == "hedgehog" else self.head_dim ** -0.5
-        lin = linear_recurrence(self.kind, q.float(), expand_kv(k, H), expand_kv(v, H), gates, scale)
+        run = chunked_linear if self.form == "chunked" else linear_recurrence
+        lin = run(self.kind, q.float(), expand_kv(k, H), expand_kv(v, H), gates, scale)
         normaliser = None
         if self.kind == "hedgehog":
             lin, normaliser = lin[..., :-1], lin[..., -1]

@@ -93,7 +93,7 @@ def write_cases(model_type: str, root: str):
         linjax.save_hf(model, os.path.join(root, name))
         np.savez(os.path.join(root, name + ".npz"), tokens=tokens,
                  logits=np.asarray(forward(model, jnp.asarray(tokens))))
-        manifest.append({"name": name, "kind": "linjax"})
+        manifest.append({"name": name, "kind": "linjax", "recurrent": name.endswith("shortconv-w56-s8")})
     if model_type == "llama":
         plain = CausalLM(base_config("llama"), rngs=nnx.Rngs(7))  # not linearized: the standard architecture
         linjax.save_hf(plain, os.path.join(root, "plain"))
@@ -134,6 +134,14 @@ for case in json.load(open(os.path.join(root, "manifest.json"))):
         logits = model(torch.tensor(data["tokens"], dtype=torch.long)).logits.float().numpy()
     results[case["name"]] = {"max_abs": float(np.abs(logits - data["logits"]).max()),
                              "class": type(model).__name__}
+    if case.get("recurrent"):  # the token-by-token reference form of the linear layers, too
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "form"):
+                layer.self_attn.form = "recurrent"
+        with torch.no_grad():
+            logits = model(torch.tensor(data["tokens"], dtype=torch.long)).logits.float().numpy()
+        results[case["name"] + "-recurrent"] = {"max_abs": float(np.abs(logits - data["logits"]).max()),
+                                                "class": type(model).__name__}
 assert "jax" not in sys.modules, "the PyTorch export imported JAX"
 print(json.dumps(results))
 """
@@ -154,8 +162,10 @@ def test_export_matches_linjax_without_jax(model_type, tmp_path):
     results = json.loads(_run(["-c", TORCH_CHECK, root], cwd=root).strip().splitlines()[-1])
     print(json.dumps(results, indent=1))
     with open(os.path.join(root, "manifest.json")) as f:
-        expected = {case["name"] for case in json.load(f) if case["kind"] != "generate"}
-    assert expected <= set(results)
+        manifest = json.load(f)
+    expected = {case["name"] for case in manifest if case["kind"] != "generate"}
+    expected |= {case["name"] + "-recurrent" for case in manifest if case.get("recurrent")}
+    assert expected <= set(results), f"missing results: {sorted(expected - set(results))}"
     for name in expected:
         result = results[name]
         assert result["max_abs"] <= TOLERANCE, f"{name}: max abs logit difference {result['max_abs']:.2e}"
