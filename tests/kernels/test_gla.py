@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ GRID_IDS = [f"T{T}-Hkv{Hkv}-D{D}-{'init' if init else 'noinit'}" for T, Hkv, D, 
 _HKV_D = list(itertools.product([1, 2, 4], [16, 64]))
 REDUCED_GRID = [(T, *_HKV_D[i % 6], init) for i, (T, init) in
                 enumerate(itertools.product([1, 15, 64, 200], [True, False]))]
+if os.environ.get("LINJAX_FULL_GRID") == "1":  # the full product for them too (as for GDN)
+    REDUCED_GRID = GRID
 REDUCED_IDS = [f"T{T}-Hkv{Hkv}-D{D}-{'init' if init else 'noinit'}" for T, Hkv, D, init in REDUCED_GRID]
 
 
