@@ -21,7 +21,6 @@ All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

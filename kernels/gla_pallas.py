@@ -246,7 +246,7 @@ def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64,
     see `with_chunked_backward` for gradients.
     """
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
-    (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
+    (_, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
     padded = pad_to_tiles(q, k, v, log_alpha, initial_state, chunk)
     o, ht = _gla_call(*padded, group=H // Hkv, chunk=chunk, interpret=bool(interpret),
                       scale=Dk ** -0.5 if scale is None else float(scale))
