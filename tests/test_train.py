@@ -244,3 +244,19 @@ def test_two_processes_train_like_one(tiny_source, corpus, tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
     restored, _ = linjax.load(str(tmp_path / "two"))
     assert restored.linearize_config == one.linearize
+
+
+def test_attention_transfer_is_zero_only_where_the_student_is_exact():
+    from linjax.config import tiny_config
+    from linjax.model import CausalLM
+    from linjax.train.objectives import objective_loss
+
+    base = CausalLM(tiny_config("llama"), rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, 128, (2, 24)).astype(np.int32)
+    exact = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=24, sinks=0))
+    approx = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0))
+    zero, metrics = objective_loss(exact, tokens, "attention_transfer")
+    assert float(zero) < 1e-10 and set(metrics) == {"attention_mse"}
+    positive, metrics = objective_loss(approx, tokens, "ce+attention_transfer")
+    assert float(metrics["attention_mse"]) > 1e-6 and set(metrics) == {"ce", "attention_mse"}
+    assert abs(float(positive) - float(metrics["ce"]) - float(metrics["attention_mse"])) < 1e-5

@@ -47,10 +47,11 @@ def objective_loss(model, tokens, objective: str):
     """(loss, metrics) for 'ce', 'attention_transfer' or 'ce+attention_transfer' (a plain sum)."""
     metrics = {}
     loss = 0.0
-    if "ce" in objective.split("+"):
+    parts = objective.split("+")
+    if "ce" in parts:
         metrics["ce"] = next_token_loss(model, tokens)
         loss = loss + metrics["ce"]
-    if "attention_transfer" in objective:
+    if "attention_transfer" in parts:
         metrics["attention_mse"] = attention_transfer_loss(model, tokens)
         loss = loss + metrics["attention_mse"]
     return loss, metrics

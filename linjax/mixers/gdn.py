@@ -13,8 +13,7 @@ from flax import nnx
 
 from linjax.kernels import gdn
 from linjax.layers import Trainable, torch_linear_init
-from linjax.mixers.gla import LowRankGate
-from linjax.mixers.linear import LinearMixer
+from linjax.mixers.gla import GLA
 
 
 class Beta(nnx.Module):
@@ -28,14 +27,14 @@ class Beta(nnx.Module):
         return jax.nn.sigmoid(h.astype(jnp.float32) @ self.weight[...] + self.bias[...])
 
 
-class GDN(LinearMixer):
+class GDN(GLA):
+    """GLA's gate plus β: the same parameters, created in the same order, and a delta-rule kernel."""
+
     kernel = gdn
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)
-        hidden = proj.q_proj.kernel.shape[0]
-        self.gate = LowRankGate(hidden, proj.num_heads, proj.head_dim, rank=settings.gate_rank, rngs=rngs)
-        self.beta = Beta(hidden, proj.num_heads, rngs=rngs)
+        self.beta = Beta(proj.q_proj.kernel.shape[0], proj.num_heads, rngs=rngs)
 
     def gates(self, h, k):
         return self.gate(h), self.beta(h)
