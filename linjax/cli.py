@@ -5,6 +5,7 @@
     linjax export SOURCE --out DIR        (an HF directory PyTorch loads; linearized: trust_remote_code)
     linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
     linjax train CONFIG.toml [--set section.key=value ...] [--resume]
+    linjax eval perplexity|... MODEL ...   (see linjax/eval/cli.py)
 
 SOURCE is anything `linjax.load` accepts: `smollm2-135m` (the embedded
 default), a `.gguf` file, an HF model directory or hub id, or a linjax
@@ -176,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_generate)
+
+    from linjax.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
