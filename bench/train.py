@@ -3,7 +3,8 @@
     python bench/train.py [--seq-lens 1024,4096] [--repeats 3] [--out bench/results/train.json]
 
 For GDN + window 56 + sinks 8 + short conv (the paper's final recipe) and for
-pure GLA: compile once, then time `--repeats` steps (median), batch 1.
+pure GLA: state placed as `linjax train` places it, one compiling step and one
+warm-up step, then `--repeats` timed steps (median), batch 1.
 Prints a Markdown table and writes JSON.
 """
 
@@ -29,7 +30,7 @@ import linjax
 from linjax.layers import Trainable
 from linjax.train.config import TrainSection
 from linjax.train.loop import make_optimizer, make_train_step
-from linjax.train.sharding import make_mesh
+from linjax.train import sharding
 
 SETTINGS = {
     "gdn+w56+s8+shortconv": linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv"),
@@ -44,20 +45,26 @@ def main():
     parser.add_argument("--out", default="bench/results/train.json")
     args = parser.parse_args()
     base, _ = linjax.load("smollm2-135m")
-    mesh = make_mesh()
+    mesh = sharding.make_mesh()
     rows = []
     for name, config in SETTINGS.items():
         model = linjax.linearize(base, config, seed=1)
         graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+        frozen = sharding.shard_frozen(frozen, mesh)
         for seq_len in (int(s) for s in args.seq_lens.split(",")):
             optimizer, _ = make_optimizer(TrainSection(steps=100, seq_len=seq_len, warmup_steps=10), config.adapter)
             step = make_train_step(graphdef, optimizer, "ce", mesh)
-            state = (jax.tree.map(lambda x: x.copy(), trainable), optimizer.init(trainable))
-            batch = np.random.default_rng(0).integers(0, base.config.vocab_size, (1, seq_len), dtype=np.int32)
+            # Placed exactly as the training loop places them: otherwise the second call recompiles.
+            state = (sharding.replicate(jax.tree.map(lambda x: x.copy(), trainable), mesh),
+                     sharding.replicate(optimizer.init(trainable), mesh))
+            batch = sharding.put_batch(
+                np.random.default_rng(0).integers(0, base.config.vocab_size, (1, seq_len), dtype=np.int32), mesh)
             start = time.perf_counter()
             *state, metrics = step(*state, frozen, batch)
             jax.block_until_ready(metrics)
             compile_s = time.perf_counter() - start
+            *state, metrics = step(*state, frozen, batch)  # warm-up: first-touch allocations
+            jax.block_until_ready(metrics)
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
