@@ -6,6 +6,7 @@
     linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
     linjax train CONFIG.toml [--set section.key=value ...] [--resume]
     linjax eval perplexity|... MODEL ...   (see linjax/eval/cli.py)
+    linjax run CONFIG.toml                 (the whole pipeline to report.md; restartable)
 
 SOURCE is anything `linjax.load` accepts: `smollm2-135m` (the embedded
 default), a `.gguf` file, an HF model directory or hub id, or a linjax
@@ -130,6 +131,14 @@ def _train(args):
     print(f"trained → {os.path.abspath(config.run_dir)} (metrics.jsonl; `linjax.load` restores the model)")
 
 
+def _run(args):
+    from linjax import pipeline, train
+
+    config = train.load_experiment(args.config, args.set)
+    report = pipeline.run(config)
+    print(f"report → {report}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linjax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("run", help="convert → linearize → train → evaluate → report.md, restartable")
+    p.add_argument("config", help="experiment TOML file with an optional [eval] section (see README)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a setting, e.g. --set train.steps=10 (repeatable)")
+    p.set_defaults(func=_run)
 
     p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")
     p.add_argument("source")

@@ -5,6 +5,7 @@
     [linearize]  the fields of `linjax.LinearizeConfig`
     [data]       paths (files or folders) or dataset (a Hugging Face dataset name)
     [train]      steps, seq_len, batch_size, lr, warmup_steps, seed, objective, ...
+    [eval]       what `linjax run` evaluates after training (`linjax train` ignores it)
 
 An unknown section or key is an error that names it. `--set section.key=value`
 overrides are parsed as TOML values (`train.lr=1e-3`, `linearize.adapter="lora"`,
@@ -81,6 +82,37 @@ class TrainSection:
         return 5e-4 if adapter == "lora" else 2e-3
 
 
+EVALUATIONS = ("perplexity", "approx", "lm_eval", "ruler")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """The evaluations of `linjax run`. Data paths default to the project's data folder
+    (`$LINJAX_DATA_DIR`, else ../shared/data); an evaluation whose data is missing is
+    skipped and the report says so."""
+
+    run: tuple[str, ...] = EVALUATIONS  # which evaluations, in this order
+    perplexity_data: str | None = None  # default: WikiText-2 raw test
+    perplexity_seq_len: int = 1024
+    perplexity_windows: int | None = None  # None: the whole file
+    approx_data: str | None = None  # default: Clean Alpaca (the paper's hold-out set)
+    approx_num_seqs: int = 8
+    approx_seq_len: int = 512
+    lm_eval_tasks: tuple[str, ...] = ("piqa", "arc_easy", "hellaswag", "lambada_openai")
+    lm_eval_limit: int | None = 100  # examples per task; None: all
+    lm_eval_data_dir: str | None = None  # default: the data folder's local task files
+    ruler_tasks: tuple[str, ...] = ("niah_single_1", "niah_single_2", "niah_single_3")
+    ruler_lengths: tuple[int, ...] = (1024,)
+    ruler_samples: int = 5
+
+    def __post_init__(self):
+        for name in ("run", "lm_eval_tasks", "ruler_tasks", "ruler_lengths"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        unknown = sorted(set(self.run) - set(EVALUATIONS))
+        if unknown:
+            raise ValueError(f"eval.run: unknown evaluation(s) {unknown}; choose from {list(EVALUATIONS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     run_dir: str
@@ -88,16 +120,19 @@ class ExperimentConfig:
     linearize: LinearizeConfig = LinearizeConfig()
     data: DataSection = DataSection(paths=("../shared/data/webtext",))
     train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
 
     def to_dict(self) -> dict:
         return {"run_dir": self.run_dir, "model": dataclasses.asdict(self.model),
                 "linearize": self.linearize.to_dict(),
                 "data": {k: (list(v) if isinstance(v, tuple) else v)
                          for k, v in dataclasses.asdict(self.data).items() if v is not None},
-                "train": {k: v for k, v in dataclasses.asdict(self.train).items() if v is not None}}
+                "train": {k: v for k, v in dataclasses.asdict(self.train).items() if v is not None},
+                "eval": {k: (list(v) if isinstance(v, tuple) else v)
+                         for k, v in dataclasses.asdict(self.eval).items() if v is not None}}
 
 
-_SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection}
+_SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "eval": EvalSection}
 
 
 def _build(cls, fields: dict, section: str):
@@ -111,10 +146,10 @@ def _build(cls, fields: dict, section: str):
 
 def from_dict(raw: dict) -> ExperimentConfig:
     raw = dict(raw)
-    unknown = sorted(set(raw) - {"run_dir", "model", "linearize", "data", "train"})
+    unknown = sorted(set(raw) - {"run_dir", "model", "linearize", "data", "train", "eval"})
     if unknown:
         raise ValueError(f"unknown top-level key or section: {', '.join(unknown)}; "
-                         "expected run_dir, [model], [linearize], [data], [train]")
+                         "expected run_dir, [model], [linearize], [data], [train], [eval]")
     if "run_dir" not in raw:
         raise ValueError("the experiment needs `run_dir = \"...\"` (where checkpoints and metrics go)")
     kwargs: dict[str, Any] = {"run_dir": str(raw["run_dir"])}

@@ -1,0 +1,130 @@
+"""report.md for a `linjax run` directory: what was trained, how it trained, how it evaluates.
+
+Built only from the files the stages wrote (stages/*.json, metrics.jsonl and the
+evaluations' own outputs), so it can be rewritten at any time without rerunning anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _loss_plot(run_dir: str) -> str | None:
+    """training_loss.png from metrics.jsonl (raw and a 10-step moving average)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = np.array([r["step"] for r in records])
+    loss = np.array([r["loss"] for r in records])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, loss, lw=0.8, alpha=0.5, label="loss")
+    if len(loss) >= 10:
+        ax.plot(steps[9:], np.convolve(loss, np.ones(10) / 10, mode="valid"), lw=1.8, label="10-step mean")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token cross-entropy")
+    ax.legend()
+    fig.tight_layout()
+    out = os.path.join(run_dir, "training_loss.png")
+    fig.savefig(out + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(out + ".tmp.png", out)
+    return os.path.basename(out)
+
+
+def _section_skipped(title: str, result) -> list[str] | None:
+    if result is None:
+        return [f"## {title}", "", "Not run (not in `eval.run`, or the run stopped before it).", ""]
+    if "skipped" in result:
+        return [f"## {title}", "", f"Skipped: {result['skipped']}.", ""]
+    return None
+
+
+def _perplexity_lines(result) -> list[str]:
+    lines = ["## Perplexity", "", f"Held-out text: `{os.path.basename(result['data'])}`, non-overlapping windows "
+             f"of {result['seq_len']} tokens.", "", "| model | perplexity | tokens scored |", "|---|---|---|"]
+    for name, row in result["rows"].items():
+        lines.append(f"| {name} | {row['perplexity']:.2f} | {row['tokens']:,} |")
+    return lines + [""]
+
+
+def _approx_lines(result, run_dir) -> list[str]:
+    lines = ["## Approximation error", "",
+             "Per-layer error of each linearized attention block against the original softmax attention "
+             "on the same input (the paper's appendix, \"Approximation error\").", ""]
+    layers = result.get("per_layer") or []
+    if layers:
+        keys = [k for k in ("mse", "nmse") if k in layers[0]]
+        lines += ["| layer | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        for i, row in enumerate(layers):
+            lines.append(f"| {row.get('layer', i)} | " + " | ".join(f"{row[k]:.4g}" for k in keys) + " |")
+        lines.append("")
+    for plot in result.get("plots", []):
+        lines.append(f"![{os.path.basename(plot)}]({os.path.relpath(plot, run_dir)})")
+    return lines + [""]
+
+
+def _lm_eval_lines(result) -> list[str]:
+    lines = ["## lm-eval (limited)", ""]
+    if result.get("limit"):
+        lines.append(f"At most {result['limit']} examples per task: a smoke test of the exported model, not a "
+                     "benchmark figure.")
+        lines.append("")
+    table = result.get("table_markdown")
+    if table:
+        lines.append(table)
+    return lines + [""]
+
+
+def _ruler_lines(result) -> list[str]:
+    lines = ["## Long context (S-NIAH)", ""]
+    table = result.get("table_markdown")
+    if table:
+        lines.append(table)
+    return lines + [""]
+
+
+def write_report(config, run_dir: str, stages: dict) -> str:
+    """Writes RUN_DIR/report.md from the stage results; returns its path."""
+    lin = config.linearize
+    convert, train = stages.get("convert") or {}, stages.get("train") or {}
+    lines = [f"# linjax run: {os.path.basename(run_dir)}", ""]
+    if convert:
+        lines += [f"Base model `{convert['source']}`: {convert['architecture']}, {convert['parameters'] / 1e6:.1f}M "
+                  f"parameters, {convert['layers']} layers.", ""]
+    lines += [f"Linearized with **{lin.mechanism}**, window {lin.window}, sinks {lin.sinks}, adapter "
+              f"{lin.adapter or 'none'}, full-attention layers kept: {list(lin.keep_full_attention) or 'none'}.", ""]
+    if train:
+        tc = config.train
+        lines += ["## Training", "",
+                  f"{train['steps']} steps of {tc.batch_size} × {tc.seq_len} packed tokens, objective `{tc.objective}`, "
+                  f"only the new parameters trained. Loss {train['first_loss']:.3f} at step 1, "
+                  f"{train['mean_loss_last_10']:.3f} averaged over the last 10 steps; "
+                  f"{train['median_tokens_per_s']:.0f} tokens/s (median), {train['seconds'] / 60:.1f} min.", ""]
+        plot = _loss_plot(run_dir)
+        if plot:
+            lines += [f"![training loss]({plot})", ""]
+    sections = (("Perplexity", "perplexity", lambda r: _perplexity_lines(r)),
+                ("Approximation error", "approx", lambda r: _approx_lines(r, run_dir)),
+                ("lm-eval (limited)", "lm_eval", lambda r: _lm_eval_lines(r)),
+                ("Long context (S-NIAH)", "ruler", lambda r: _ruler_lines(r)))
+    for title, stage, render in sections:
+        if stage not in config.eval.run:
+            continue
+        result = stages.get(stage)
+        lines += _section_skipped(title, result) or render(result)
+    timing = [f"{s} {stages[s]['seconds'] / 60:.1f} min" for s in stages if stages.get(s) and "seconds" in stages[s]]
+    lines += ["## Time", "", "; ".join(timing) + ".", ""]
+    path = os.path.join(run_dir, "report.md")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+    return path

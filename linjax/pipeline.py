@@ -1,0 +1,158 @@
+"""`linjax run CONFIG.toml`: convert → linearize → train → evaluate → report.md, in one run directory.
+
+Each stage writes `RUN_DIR/stages/<stage>.json` when it finishes, atomically; a
+restarted run skips every stage whose file exists, and the training stage
+itself resumes from its last orbax checkpoint. So a run killed at any point
+and started again redoes at most the unfinished part of one stage.
+
+    convert     load the source (cached conversion), record its architecture and size
+    train       `linjax.train.run` (linearizes, trains the new parameters, saves)
+    perplexity  held-out perplexity of the original, the untrained and the trained model
+    approx      per-layer and per-token approximation error of the trained model
+    lm_eval     a limited lm-eval run of the exported trained model (local task files)
+    ruler       S-NIAH of the trained model at the lengths asked for
+    report      report.md with tables and plots from all of the above
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
+
+
+def _stage_path(run_dir: str, stage: str) -> str:
+    return os.path.join(run_dir, "stages", f"{stage}.json")
+
+
+def finished_stages(run_dir: str) -> list[str]:
+    return [s for s in STAGES if os.path.exists(_stage_path(run_dir, s))]
+
+
+def _record(run_dir: str, stage: str, result: dict) -> None:
+    from linjax.eval.cli import write_json
+
+    write_json(_stage_path(run_dir, stage), result)
+
+
+def _skipped(reason: str) -> dict:
+    return {"skipped": reason}
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _convert(config, run_dir):
+    import linjax
+
+    model, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
+    if tokenizer is None:
+        raise ValueError(f"{config.model.source} has no tokenizer; `linjax run` needs one to read text")
+    return {"source": config.model.source, "architecture": model.config.architecture,
+            "parameters": linjax.parameter_count(model), "layers": model.config.num_hidden_layers,
+            "hidden_size": model.config.hidden_size}
+
+
+def _train(config, run_dir):
+    from linjax import train
+
+    resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
+    train.run(config, resume=resume)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    speeds = sorted(r["tokens_per_s"] for r in records[1:]) or [records[0]["tokens_per_s"]]
+    return {"steps": len(records), "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+            "mean_loss_last_10": sum(r["loss"] for r in records[-10:]) / len(records[-10:]),
+            "median_tokens_per_s": speeds[len(speeds) // 2], "resumed": resume}
+
+
+def _perplexity(config, run_dir):
+    import linjax
+    from linjax.eval.data import data_file
+    from linjax.eval.perplexity import perplexity, token_windows
+
+    ec = config.eval
+    path = ec.perplexity_data or data_file("wikitext", "wikitext-2-raw-v1.test.nonblank.raw")
+    if path is None or not os.path.exists(path):
+        return _skipped("no perplexity data (set eval.perplexity_data, or LINJAX_DATA_DIR)")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    base, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
+    windows = token_windows(tokenizer, text, ec.perplexity_seq_len, ec.perplexity_windows)
+    models = {"original": base,
+              "linearized, before training": linjax.linearize(base, config.linearize, seed=config.train.seed),
+              "linearized, trained": linjax.load(run_dir, dtype=config.model.dtype)[0]}
+    rows = {name: perplexity(model, windows, progress=True) for name, model in models.items()}
+    return {"data": os.path.abspath(path), "seq_len": ec.perplexity_seq_len, "rows": rows}
+
+
+def _approx(config, run_dir):
+    from linjax.eval import approx
+    from linjax.eval.data import data_file
+
+    ec = config.eval
+    path = ec.approx_data or data_file("alpaca", "alpaca_data_cleaned_first5k.json")
+    if path is None or not os.path.exists(path):
+        return _skipped("no approximation-error data (set eval.approx_data, or LINJAX_DATA_DIR)")
+    out = os.path.join(run_dir, "approx")
+    return approx.run(config.model.source, run_dir, data=path, num_seqs=ec.approx_num_seqs,
+                      seq_len=ec.approx_seq_len, out_dir=out)
+
+
+def _lm_eval(config, run_dir):
+    from linjax.eval import lm_eval_bridge
+    from linjax.eval.data import data_dir
+
+    ec = config.eval
+    local = ec.lm_eval_data_dir or data_dir()
+    if local is None:
+        return _skipped("no local benchmark files (set eval.lm_eval_data_dir, or LINJAX_DATA_DIR)")
+    return lm_eval_bridge.run(run_dir, tasks=list(ec.lm_eval_tasks), data_dir=local, limit=ec.lm_eval_limit,
+                              out_dir=os.path.join(run_dir, "lm_eval"))
+
+
+def _ruler(config, run_dir):
+    from linjax.eval import ruler
+
+    ec = config.eval
+    return ruler.run(run_dir, tasks=list(ec.ruler_tasks), lengths=list(ec.ruler_lengths),
+                     samples=ec.ruler_samples, out=os.path.join(run_dir, "ruler.json"))
+
+
+def _report(config, run_dir):
+    from linjax.eval.report import write_report
+
+    path = write_report(config, run_dir, {s: _load_stage(run_dir, s) for s in STAGES[:-1]})
+    return {"report": path}
+
+
+def _load_stage(run_dir, stage):
+    path = _stage_path(run_dir, stage)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+_RUNNERS = {"convert": _convert, "train": _train, "perplexity": _perplexity, "approx": _approx,
+            "lm_eval": _lm_eval, "ruler": _ruler, "report": _report}
+
+
+def run(config, *, log=print) -> str:
+    """Runs (or finishes) every stage of `config` (an ExperimentConfig); returns report.md's path."""
+    run_dir = os.path.abspath(config.run_dir)
+    os.makedirs(os.path.join(run_dir, "stages"), exist_ok=True)
+    wanted = [s for s in STAGES if s in ("convert", "train", "report") or s in config.eval.run]
+    for stage in wanted:
+        if os.path.exists(_stage_path(run_dir, stage)):
+            log(f"[linjax run] {stage}: already done, skipped")
+            continue
+        log(f"[linjax run] {stage} ...")
+        start = time.perf_counter()
+        result = _RUNNERS[stage](config, run_dir)
+        result["seconds"] = time.perf_counter() - start
+        _record(run_dir, stage, result)
+        log(f"[linjax run] {stage}: done in {result['seconds']:.0f}s")
+    return os.path.join(run_dir, "report.md")

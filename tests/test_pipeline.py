@@ -1,0 +1,60 @@
+"""`linjax run`: every stage once, a report, and a restart that skips what is finished."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+TEXT = ("Linear attention keeps a state of fixed size. Softmax attention keeps every key. "
+        "The window holds the recent tokens exactly, and the sinks hold the first ones. ") * 30
+
+
+def _experiment(tmp_path, source, evaluations=("perplexity",)):
+    data = tmp_path / "corpus.txt"
+    data.write_text(TEXT)
+    config = tmp_path / "run.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n'
+                      f'[model]\nsource = "{source}"\n'
+                      '[linearize]\nmechanism = "gdn"\nwindow = 8\nsinks = 2\nadapter = "shortconv"\n'
+                      f'[data]\npaths = ["{data}"]\n'
+                      '[train]\nsteps = 4\nseq_len = 32\nbatch_size = 1\nwarmup_steps = 1\ncheckpoint_every = 2\n'
+                      f'[eval]\nrun = {json.dumps(list(evaluations))}\nperplexity_data = "{data}"\n'
+                      'perplexity_seq_len = 32\nperplexity_windows = 2\n')
+    return config
+
+
+def _command(config):
+    return [sys.executable, "-m", "linjax.cli", "run", str(config)]
+
+
+def test_run_writes_a_report_and_a_restart_skips_finished_stages(tiny_source, tmp_path):
+    config = _experiment(tmp_path, tiny_source)
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(_command(config), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    trained = run_dir / "stages" / "train.json"
+    for _ in range(6000):  # poll for up to ~5 minutes
+        if trained.exists() or process.poll() is not None:
+            break
+        time.sleep(0.05)
+    process.kill()
+    output = process.communicate()[0]
+    assert trained.exists(), output[-3000:]
+    assert not (run_dir / "stages" / "perplexity.json").exists(), "the run finished before it could be killed"
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+
+    result = subprocess.run(_command(config), cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "convert: already done, skipped" in result.stdout
+    assert "train: already done, skipped" in result.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before  # training was not redone
+    assert sorted(os.listdir(run_dir / "stages")) == ["convert.json", "perplexity.json", "report.json", "train.json"]
+    perplexity = json.loads((run_dir / "stages" / "perplexity.json").read_text())
+    assert set(perplexity["rows"]) == {"original", "linearized, before training", "linearized, trained"}
+    report = (run_dir / "report.md").read_text()
+    assert "## Training" in report and "## Perplexity" in report and "linearized, trained" in report
+    assert (run_dir / "training_loss.png").stat().st_size > 1000
+
+    again = subprocess.run(_command(config), cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4
