@@ -1,6 +1,9 @@
 """`linjax eval ...`: one subcommand per evaluation; each writes its results to files.
 
     linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N] [--out F.json]
+    linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
+    linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
+    linjax eval select-layers --layers N --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -47,6 +50,36 @@ def _perplexity(args):
         print(f"| {r['model']} | {r['perplexity']:.3f} | {r['tokens']} |")
 
 
+def _approx(args):
+    from linjax.eval import approx
+
+    result = approx.run(args.teacher, args.student, data=args.data, num_seqs=args.num_seqs, seq_len=args.seq_len,
+                        out_dir=args.out)
+    print("| layer | MSE | nMSE |\n|---|---|---|")
+    for r in result["per_layer"]:
+        print(f"| {r['layer']} | {r['mse']:.4g} | {r['nmse']:.4g} |")
+    print(f"→ {os.path.join(args.out, 'approx.json')} and {len(result['plots'])} plots")
+
+
+def _diagnostics(args):
+    from linjax.eval import diagnostics
+
+    result = diagnostics.run(args.source, data=args.data, num_seqs=args.num_seqs, seq_len=args.seq_len,
+                             out_dir=args.out, student=args.student)
+    c, r = result["per_token"]["concentration"], result["per_token"]["residual"]
+    print(f"key concentration C_t: first token {c[0]:.3f}, token 10 {c[min(9, len(c) - 1)]:.3f}, last {c[-1]:.3f}")
+    print(f"projection residual R_t: first token {r[0]:.3f}, token 10 {r[min(9, len(r) - 1)]:.3f}, last {r[-1]:.3f}")
+    print(f"→ {os.path.join(args.out, 'diagnostics.json')} and {len(result['plots'])} plots")
+
+
+def _select_layers(args):
+    from linjax.eval import select_layers
+
+    layers = select_layers.select(args.layers, args.keep, args.by, args.scores)
+    select_layers.write_fragment(layers, args.out, f"linjax eval select-layers --keep {args.keep} --by {args.by}")
+    print(f"keep full attention in layers {layers} → {args.out} (use: linjax train CONFIG --include {args.out})")
+
+
 def add_eval_parser(sub) -> None:
     """Registers `linjax eval` and its subcommands on the top-level subparsers."""
     parser = sub.add_parser("eval", help="evaluate a model (perplexity, ...)")
@@ -63,3 +96,29 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="JSON file for the results")
     p.set_defaults(func=_perplexity)
+
+    p = evals.add_parser("approx", help="per-layer and per-token approximation error (MSE, nMSE) of a student")
+    p.add_argument("teacher", help="the original model")
+    p.add_argument("student", help="a linearization of it (run directory, checkpoint, or experiment TOML)")
+    p.add_argument("--data", required=True, help=".json (Alpaca), .jsonl or .txt held-out text")
+    p.add_argument("--num-seqs", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--out", required=True, help="output directory (approx.json, PNG plots)")
+    p.set_defaults(func=_approx)
+
+    p = evals.add_parser("diagnostics", help="key concentration C_t and projection residual R_t per token")
+    p.add_argument("source", help="the original (full-attention) model")
+    p.add_argument("--student", help="a linearization of it: adds nMSE binned by C and by R")
+    p.add_argument("--data", required=True)
+    p.add_argument("--num-seqs", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--out", required=True, help="output directory (diagnostics.json, PNG plots)")
+    p.set_defaults(func=_diagnostics)
+
+    p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
+    p.add_argument("--layers", type=int, required=True, help="number of layers of the model")
+    p.add_argument("--keep", type=float, required=True, help="a fraction (0.2) or a count (6)")
+    p.add_argument("--by", default="uniform", help="uniform | concentration | residual | nmse")
+    p.add_argument("--scores", help="diagnostics.json (concentration, residual) or approx.json (nmse)")
+    p.add_argument("--out", required=True, help="the TOML fragment to write")
+    p.set_defaults(func=_select_layers)

@@ -126,7 +126,7 @@ def _train(args):
     from linjax.train.sharding import maybe_initialize_distributed
 
     maybe_initialize_distributed()
-    config = train.load_experiment(args.config, args.set)
+    config = train.load_experiment(args.config, args.set, args.include)
     train.run(config, resume=args.resume, progress=not args.no_progress)
     print(f"trained → {os.path.abspath(config.run_dir)} (metrics.jsonl; `linjax.load` restores the model)")
 
@@ -134,7 +134,7 @@ def _train(args):
 def _run(args):
     from linjax import pipeline, train
 
-    config = train.load_experiment(args.config, args.set)
+    config = train.load_experiment(args.config, args.set, args.include)
     report = pipeline.run(config)
     print(f"report → {report}")
 
@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="experiment TOML file (see README, 'Training')")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting, e.g. --set train.steps=10 (repeatable)")
+    p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
+                   help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_train)
@@ -180,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="experiment TOML file with an optional [eval] section (see README)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting, e.g. --set train.steps=10 (repeatable)")
+    p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
+                   help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")

@@ -188,14 +188,32 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_experiment(path: str, overrides: list[str] | None = None) -> ExperimentConfig:
+def _merge(base: dict, extra: dict) -> dict:
+    """`extra` deep-merged into `base` (sections merge key by key; later values win)."""
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
+
+
+def _read_toml(path: str) -> dict:
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"no experiment file at {path!r}") from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: not valid TOML: {err}") from err
+
+
+def load_experiment(path: str, overrides: list[str] | None = None, includes: list[str] | None = None
+                    ) -> ExperimentConfig:
+    """The experiment at `path`, with each `includes` fragment (e.g. from `linjax eval select-layers`)
+    merged in, then the `--set` overrides applied."""
+    raw = _read_toml(path)
+    for fragment in includes or []:
+        raw = _merge(raw, _read_toml(fragment))
     try:
         return from_dict(apply_overrides(raw, overrides or []))
     except (ValueError, TypeError) as err:
