@@ -47,11 +47,15 @@ def main():
     base, _ = linjax.load("smollm2-135m")
     mesh = sharding.make_mesh()
     rows = []
-    for name, config in SETTINGS.items():
-        model = linjax.linearize(base, config, seed=1)
-        graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
-        frozen = sharding.shard_frozen(frozen, mesh)
-        for seq_len in (int(s) for s in args.seq_lens.split(",")):
+    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+               "backend": jax.default_backend()}
+    # Short sequences first, and the JSON rewritten after every row: a long sequence that runs
+    # out of memory (the kernel kills the process) leaves the rows measured before it.
+    for seq_len in (int(s) for s in args.seq_lens.split(",")):
+        for name, config in SETTINGS.items():
+            model = linjax.linearize(base, config, seed=1)
+            graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+            frozen = sharding.shard_frozen(frozen, mesh)
             optimizer, _ = make_optimizer(TrainSection(steps=100, seq_len=seq_len, warmup_steps=10), config.adapter)
             step = make_train_step(graphdef, optimizer, "ce", mesh)
             # Placed exactly as the training loop places them: otherwise the second call recompiles.
@@ -75,16 +79,18 @@ def main():
             rows.append({"setting": name, "seq_len": seq_len, "step_s": median, "tokens_per_s": seq_len / median,
                          "first_step_s": compile_s, "repeats": args.repeats})
             print(f"{name} L={seq_len}: {median:.2f} s/step, {seq_len / median:.0f} tokens/s", flush=True)
+            _write_json(args.out, {"machine": machine, "rows": rows})
     print("\n| setting | seq len | s / step | tokens / s | first step (compile) s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setting']} | {r['seq_len']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['first_step_s']:.1f} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    result = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                          "jax": jax.__version__, "backend": jax.default_backend()}, "rows": rows}
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
     print(f"wrote {args.out}")
+
+
+def _write_json(path, result):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
