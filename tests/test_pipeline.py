@@ -10,7 +10,7 @@ TEXT = ("Linear attention keeps a state of fixed size. Softmax attention keeps e
         "The window holds the recent tokens exactly, and the sinks hold the first ones. ") * 30
 
 
-def _experiment(tmp_path, source, evaluations=("perplexity",)):
+def _experiment(tmp_path, source, evaluations=("perplexity", "approx")):
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT)
     config = tmp_path / "run.toml"
@@ -20,7 +20,8 @@ def _experiment(tmp_path, source, evaluations=("perplexity",)):
                       f'[data]\npaths = ["{data}"]\n'
                       '[train]\nsteps = 4\nseq_len = 32\nbatch_size = 1\nwarmup_steps = 1\ncheckpoint_every = 2\n'
                       f'[eval]\nrun = {json.dumps(list(evaluations))}\nperplexity_data = "{data}"\n'
-                      'perplexity_seq_len = 32\nperplexity_windows = 2\n')
+                      'perplexity_seq_len = 32\nperplexity_windows = 2\n'
+                      f'approx_data = "{data}"\napprox_num_seqs = 2\napprox_seq_len = 32\n')
     return config
 
 
@@ -49,12 +50,14 @@ def test_run_writes_a_report_and_a_restart_skips_finished_stages(tiny_source, tm
     assert "convert: already done, skipped" in result.stdout
     assert "train: already done, skipped" in result.stdout
     assert (run_dir / "metrics.jsonl").read_text() == metrics_before  # training was not redone
-    assert sorted(os.listdir(run_dir / "stages")) == ["convert.json", "perplexity.json", "report.json", "train.json"]
+    assert sorted(os.listdir(run_dir / "stages")) == ["approx.json", "convert.json", "perplexity.json",
+                                                      "report.json", "train.json"]
     perplexity = json.loads((run_dir / "stages" / "perplexity.json").read_text())
     assert set(perplexity["rows"]) == {"original", "linearized, before training", "linearized, trained"}
     report = (run_dir / "report.md").read_text()
     assert "## Training" in report and "## Perplexity" in report and "linearized, trained" in report
+    assert "## Approximation error" in report and "approx/approx_per_layer.png" in report
     assert (run_dir / "training_loss.png").stat().st_size > 1000
 
     again = subprocess.run(_command(config), cwd=tmp_path, capture_output=True, text=True, check=False)
-    assert again.returncode == 0 and again.stdout.count("already done, skipped") == 4
+    assert again.returncode == 0 and again.stdout.count("already done, skipped") == 5
