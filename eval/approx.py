@@ -34,7 +34,7 @@ def mse_and_nmse(full: np.ndarray, lin: np.ndarray) -> tuple[float, float]:
 def read_texts(path: str) -> list[str]:
     """Documents of a .txt (the whole file), .jsonl ({"text"}) or .json file (Alpaca records:
     instruction, input and output joined; or {"text"} records)."""
-    if path.endswith(".txt") or path.endswith(".raw"):
+    if path.endswith((".txt", ".raw")):
         with open(path, encoding="utf-8") as f:
             return [f.read()]
     with open(path, encoding="utf-8") as f:
@@ -68,6 +68,9 @@ def token_sequences(tokenizer, path: str, num_seqs: int, seq_len: int) -> np.nda
 
 def check_student(teacher, student) -> list[int]:
     """Indices of the student's linearized layers; an error if it is not a linearization of the teacher."""
+    if not all(isinstance(b.attn, SoftmaxAttention) for b in teacher.layers):
+        raise ValueError("the teacher must be the original full-attention model (every layer softmax); "
+                         "pass the base model, e.g. smollm2-135m, not a linearized run")
     if teacher.config != student.config:
         raise ValueError("the student's model config differs from the teacher's: it must be a linearization "
                          "of the same base model")
@@ -133,7 +136,7 @@ def approximation_error(teacher, student, sequences: np.ndarray) -> dict:
                           for layer, m, v in zip(linear, mse, variance)],
             "per_token": {"mse": per_token_mse.mean(0).tolist(), "nmse": per_token_nmse.mean(0).tolist()},
             "per_layer_token_nmse": per_token_nmse.tolist(),
-            "num_seqs": int(len(sequences)), "seq_len": int(T)}
+            "num_layers": len(teacher.layers), "num_seqs": len(sequences), "seq_len": int(T)}
 
 
 def plot(result: dict, out_dir: str) -> list[str]:

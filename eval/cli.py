@@ -3,7 +3,7 @@
     linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N] [--out F.json]
     linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
     linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
-    linjax eval select-layers --layers N --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
+    linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -116,9 +116,10 @@ def add_eval_parser(sub) -> None:
     p.set_defaults(func=_diagnostics)
 
     p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
-    p.add_argument("--layers", type=int, required=True, help="number of layers of the model")
+    p.add_argument("--layers", type=int, help="number of layers of the model (default: read from --scores)")
     p.add_argument("--keep", type=float, required=True, help="a fraction (0.2) or a count (6)")
-    p.add_argument("--by", default="uniform", help="uniform | concentration | residual | nmse")
+    p.add_argument("--by", default="uniform", choices=["uniform", "concentration", "residual", "nmse"],
+                   help="evenly spaced, or the hardest layers: lowest concentration, highest residual or nMSE")
     p.add_argument("--scores", help="diagnostics.json (concentration, residual) or approx.json (nmse)")
     p.add_argument("--out", required=True, help="the TOML fragment to write")
     p.set_defaults(func=_select_layers)

@@ -75,7 +75,7 @@ def diagnostics(model, sequences: np.ndarray, student=None, bins: int = 10) -> d
         c_sum = c if c_sum is None else c_sum + c
         r_sum = r if r_sum is None else r_sum + r
     c_mean, r_mean = c_sum / len(sequences), r_sum / len(sequences)
-    result = {"num_seqs": int(len(sequences)), "seq_len": int(sequences.shape[1]),
+    result = {"num_layers": int(c_mean.shape[0]), "num_seqs": len(sequences), "seq_len": int(sequences.shape[1]),
               "per_token": {"concentration": c_mean.mean((0, 1)).tolist(), "residual": r_mean.mean((0, 1)).tolist()},
               "per_layer": [{"layer": i, "concentration": float(c_mean[i].mean()), "residual": float(r_mean[i].mean())}
                             for i in range(c_mean.shape[0])],

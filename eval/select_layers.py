@@ -38,28 +38,37 @@ def hardest(scores: dict[int, float], count: int, hard: str) -> list[int]:
     return sorted(order[:count])
 
 
-def scores_from_file(path: str, metric: str) -> dict[int, float]:
-    """Per-layer scores from a diagnostics.json (concentration, residual) or approx.json (nmse)."""
+def scores_from_file(path: str, metric: str) -> tuple[dict[int, float], int | None]:
+    """Per-layer scores from a diagnostics.json (concentration, residual) or approx.json (nmse),
+    and the model's layer count when the file records it."""
     with open(path) as f:
         result = json.load(f)
     rows = result.get("per_layer") or []
     if not rows or metric not in rows[0]:
         source = "linjax eval approx" if metric == "nmse" else "linjax eval diagnostics"
         raise ValueError(f"{path} has no per-layer '{metric}' scores; make it with `{source}`")
-    return {int(r["layer"]): float(r[metric]) for r in rows}
+    return {int(r["layer"]): float(r[metric]) for r in rows}, result.get("num_layers")
 
 
-def select(num_layers: int, keep: float, by: str, scores_path: str | None = None) -> list[int]:
-    count = keep_count(num_layers, keep)
-    if by == "uniform":
-        return uniform(num_layers, count)
-    if by not in METRICS:
+def select(num_layers: int | None, keep: float, by: str, scores_path: str | None = None) -> list[int]:
+    """The layers that keep full attention. `num_layers` may be None when the scores file records it."""
+    if by != "uniform" and by not in METRICS:
         raise ValueError(f"--by must be uniform, {', '.join(METRICS)}; got {by!r}")
+    if by == "uniform":
+        if num_layers is None:
+            raise ValueError("--by uniform needs --layers (the model's number of layers)")
+        return uniform(num_layers, keep_count(num_layers, keep))
     if scores_path is None:
         raise ValueError(f"--by {by} needs --scores: a JSON from `linjax eval "
                          f"{'approx' if by == 'nmse' else 'diagnostics'}`")
     field, hard = METRICS[by]
-    return hardest(scores_from_file(scores_path, field), count, hard)
+    scores, recorded = scores_from_file(scores_path, field)
+    num_layers = num_layers or recorded
+    if num_layers is None:
+        raise ValueError(f"{scores_path} does not record the model's layer count; pass --layers")
+    # A fraction counts the model's layers, not just the scored ones (an approx.json of a hybrid
+    # student scores only its linearized layers).
+    return hardest(scores, keep_count(num_layers, keep), hard)
 
 
 def write_fragment(layers: list[int], path: str, comment: str = "") -> str:

@@ -10,6 +10,7 @@ import linjax
 from linjax.cli import main
 from linjax.config import tiny_config
 from linjax.eval import approx, diagnostics, select_layers
+from linjax.mixers.softmax import SoftmaxAttention
 from linjax.model import CausalLM
 
 
@@ -69,6 +70,8 @@ def test_model_error_is_zero_where_exact_and_matches_a_direct_computation(base):
     other = CausalLM(tiny_config("llama", num_hidden_layers=4), rngs=nnx.Rngs(1))
     with pytest.raises(ValueError, match="not a linearization"):
         approx.approximation_error(other, student, tokens)
+    with pytest.raises(ValueError, match="original full-attention"):
+        approx.approximation_error(student, student, tokens)
 
 
 def test_student_identical_to_the_teacher_has_zero_nmse(base):
@@ -93,6 +96,29 @@ def test_select_layers():
     for bad in (0, 1.5, 31):
         with pytest.raises(ValueError, match="--keep"):
             select_layers.keep_count(30, bad)
+    for n, keep, want in ((32, 0.1, 3), (32, 0.5, 16), (30, 0.2, 6), (4, 0.2, 1), (12, 3, 3)):
+        chosen = select_layers.select(n, keep, "uniform")
+        assert len(chosen) == want and len(set(chosen)) == want and all(0 <= i < n for i in chosen)
+    with pytest.raises(ValueError, match="--scores"):
+        select_layers.select(30, 0.2, "residual")
+
+
+def test_include_merges_fragments_before_set(tmp_path):
+    from linjax.cli import build_parser
+    from linjax.train import load_experiment
+
+    experiment = tmp_path / "exp.toml"
+    experiment.write_text(f'run_dir = "{tmp_path / "run"}"\n'
+                          '[linearize]\nmechanism = "gdn"\nwindow = 8\n[train]\nsteps = 500\n')
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    select_layers.write_fragment([1, 2], str(first))
+    second.write_text("[linearize]\nwindow = 16\n[train]\nlr = 0.5\n")
+    config = load_experiment(str(experiment), ["linearize.window=32"], [str(first), str(second)])
+    assert config.linearize.keep_full_attention == (1, 2) and config.linearize.mechanism == "gdn"
+    assert config.linearize.window == 32 and config.train.lr == 0.5 and config.train.steps == 500
+    for command in ("train", "run"):
+        args = build_parser().parse_args([command, str(experiment), "--include", str(first), "--include", str(second)])
+        assert args.include == [str(first), str(second)]
 
 
 def test_cli_diagnostics_approx_and_a_fragment_train_accepts(tiny_source, tmp_path):
@@ -106,14 +132,15 @@ def test_cli_diagnostics_approx_and_a_fragment_train_accepts(tiny_source, tmp_pa
           "--num-seqs", "2", "--seq-len", "32", "--out", str(tmp_path / "diag")])
     diag = json.loads((tmp_path / "diag" / "diagnostics.json").read_text())
     layers, kv_heads = len(diag["per_layer"]), len(diag["per_layer_head_token"]["concentration"][0])
-    assert len(diag["per_token"]["concentration"]) == 32 and layers == linjax.load(tiny_source)[0].config.num_hidden_layers
+    assert len(diag["per_token"]["concentration"]) == 32
+    assert layers == diag["num_layers"] == linjax.load(tiny_source)[0].config.num_hidden_layers
     assert sum(b["count"] for b in diag["binned_nmse"]["residual"]) == layers * kv_heads * 32
     assert all((tmp_path / "diag" / p).exists() for p in ("diagnostics_per_token.png", "diagnostics_binned_nmse.png"))
     main(["eval", "approx", tiny_source, str(experiment), "--data", str(data), "--num-seqs", "2",
           "--seq-len", "32", "--out", str(tmp_path / "approx")])
     assert (tmp_path / "approx" / "approx_per_token.png").exists()
     fragment = tmp_path / "keep.toml"
-    main(["eval", "select-layers", "--layers", str(layers), "--keep", "1", "--by", "residual",
+    main(["eval", "select-layers", "--keep", "1", "--by", "residual",  # layer count read from the JSON
           "--scores", str(tmp_path / "diag" / "diagnostics.json"), "--out", str(fragment)])
     hardest = max(diag["per_layer"], key=lambda r: r["residual"])["layer"]
     from linjax.train import load_experiment
@@ -121,3 +148,5 @@ def test_cli_diagnostics_approx_and_a_fragment_train_accepts(tiny_source, tmp_pa
     config = load_experiment(str(experiment), [], [str(fragment)])
     assert config.linearize.keep_full_attention == (hardest,)
     assert config.linearize.window == 4  # the rest of the section is kept
+    hybrid = linjax.linearize(linjax.load(tiny_source)[0], config.linearize, seed=0)
+    assert [isinstance(b.attn, SoftmaxAttention) for b in hybrid.layers] == [i == hardest for i in range(layers)]
