@@ -3,7 +3,9 @@
     linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N] [--out F.json]
     linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
     linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
+    linjax eval ruler MODEL --tasks niah_single_1,... --lengths 1024,2048 --samples N [--budgets 128,512] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
+    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] --out DIR
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -80,6 +82,25 @@ def _select_layers(args):
     print(f"keep full attention in layers {layers} → {args.out} (use: linjax train CONFIG --include {args.out})")
 
 
+def _ruler(args):
+    from linjax.eval import ruler
+
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    result = ruler.run(args.model, tasks=args.tasks.split(","), lengths=ints(args.lengths), samples=args.samples,
+                       out=args.out, budgets=ints(args.budgets) or None, sinks=args.sinks, haystack=args.haystack,
+                       seed=args.seed)
+    print("\n" + result["table_markdown"] + f"\n→ {args.out}")
+
+
+def _lm_eval(args):
+    from linjax.eval import lm_eval_bridge
+
+    result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=args.out)
+    print(result["table_markdown"])
+    print(f"→ {os.path.join(args.out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
+
+
 def add_eval_parser(sub) -> None:
     """Registers `linjax eval` and its subcommands on the top-level subparsers."""
     parser = sub.add_parser("eval", help="evaluate a model (perplexity, ...)")
@@ -115,6 +136,18 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (diagnostics.json, PNG plots)")
     p.set_defaults(func=_diagnostics)
 
+    p = evals.add_parser("ruler", help="RULER single-needle retrieval (S-NIAH 1/2/3), greedy, string match")
+    p.add_argument("model")
+    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3")
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens")
+    p.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    p.add_argument("--budgets", default="", help="cache budgets (sinks + window) for a linearized model, e.g. 128,512")
+    p.add_argument("--sinks", type=int, default=8, help="sinks within each budget")
+    p.add_argument("--haystack", help="haystack text for niah_single_2/3 (default: RULER's Paul Graham essays)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")
+    p.set_defaults(func=_ruler)
+
     p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
     p.add_argument("--layers", type=int, help="number of layers of the model (default: read from --scores)")
     p.add_argument("--keep", type=float, required=True, help="a fraction (0.2) or a count (6)")
@@ -123,3 +156,14 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--scores", help="diagnostics.json (concentration, residual) or approx.json (nmse)")
     p.add_argument("--out", required=True, help="the TOML fragment to write")
     p.set_defaults(func=_select_layers)
+
+    p = evals.add_parser("lm-eval", help="downstream tasks (piqa, arc_easy, ..., mmlu) with lm-evaluation-harness")
+    p.add_argument("model", metavar="MODEL", help="an exported HF directory, smollm2-135m, a checkpoint or run directory")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated: piqa,arc_easy,arc_challenge,hellaswag,winogrande,mmlu,lambada_openai")
+    p.add_argument("--data-dir", help="local benchmark files (the data folder's layout); default: lm-eval's hub tasks")
+    p.add_argument("--limit", type=float, default=None, help="documents per task (per MMLU subject); <1: a fraction")
+    p.add_argument("--num-fewshot", type=int, default=None, help="default: 5 for mmlu, 0 for the rest")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", required=True, help="output directory (lm_eval_results.json, results.md)")
+    p.set_defaults(func=_lm_eval)

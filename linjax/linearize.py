@@ -131,6 +131,23 @@ def linearize(model, config: LinearizeConfig, seed: int = 0):
     return new
 
 
+def with_budget(model, *, sinks: int, window: int):
+    """The same linearized model (shared arrays, new module objects) with every linear mixer's
+    sinks and window replaced: evaluating a model trained at one cache budget at another
+    (e.g. trained with 8 + 56, read with 8 + 120 = 128 cached tokens). No parameter changes."""
+    config = getattr(model, "linearize_config", None)
+    if config is None:
+        raise ValueError("with_budget needs a linearized model (a plain model has a full KV cache)")
+    config = dataclasses.replace(config, sinks=sinks, window=window)  # validates the pair
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)
+    for block in new.layers:
+        if not isinstance(block.attn, SoftmaxAttention):
+            block.attn.sinks, block.attn.window = sinks, window
+    new.linearize_config = config
+    return new
+
+
 class KeySequence:
     """Hands out `params()` keys like `nnx.Rngs`, as fold_in(key(seed), n) with a Python counter.
 
