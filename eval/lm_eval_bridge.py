@@ -1,0 +1,189 @@
+"""`linjax eval lm-eval`: the paper's downstream suite through EleutherAI's lm-evaluation-harness.
+
+    run(model_spec, tasks=["piqa", "arc_easy"], data_dir=None | DIR, limit=None, out_dir=DIR)
+
+The model: an exported Hugging Face directory (has config.json; a linearized linjax export
+loads with trust_remote_code=True), or anything `linjax.eval.models.load_model` accepts
+(smollm2-135m, a checkpoint, a training run directory, ...), exported on the fly with
+`linjax.save_hf` into a temporary directory. lm-eval's HFLM scores it on the CPU in float32.
+
+Tasks (user names): piqa, arc_easy, arc_challenge, hellaswag, winogrande (0-shot),
+mmlu (5-shot), lambada_openai (0-shot; perplexity and acc); also one MMLU subject,
+mmlu_<subject> (5-shot). `num_fewshot` overrides the per-task default for all tasks.
+
+- Without data_dir: lm-eval's standard tasks of those names (data from the Hugging Face hub).
+- With data_dir (the layout of the project's data folder, see its README.md): the local
+  tasks shipped in `linjax/eval/lm_eval_tasks/`, named `linjax_<name>` (`linjax_mmlu` is a
+  group of the 57 `linjax_mmlu_<subject>` tasks in four category groups, as lm-eval's
+  `mmlu`). Their YAML files copy lm-eval's standard definitions (prompt, target, choices,
+  metrics, MMLU's descriptions and first-n dev few-shot examples) and replace the hub
+  dataset with an lm-eval `custom_dataset` function of `lm_eval_tasks/linjax_tasks.py`,
+  which reads the local files into documents with the hub dataset's fields. The YAML files
+  cannot know where the data is: `run` builds `TaskManager(include_path=<that folder>,
+  metadata={"linjax_data_dir": DIR})`, and lm-eval hands task metadata to
+  `custom_dataset` as keyword arguments ($LINJAX_DATA_DIR is the fallback). Results are
+  reported under the user names.
+
+Known differences from lm-eval's standard tasks: HellaSwag's local text file joins ctx_a and
+ctx_b without lm-eval's `ctx_b.capitalize()`; it is approximated by capitalizing a trailing
+lower-case fragment after the last sentence end (acc_norm close to, not identical with,
+lm-eval's). ARC fields and WinoGrande's partial scoring are as lm-eval's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
+PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "lambada_openai")
+DEFAULT_FEWSHOT = {"mmlu": 5}
+LOCAL_PREFIX = "linjax_"
+
+
+def task_name(name: str, local: bool) -> str:
+    """lm-eval's name of a user task name."""
+    subject = name.startswith("mmlu_") and os.path.exists(os.path.join(TASKS_DIR, f"linjax_{name}.yaml"))
+    if name not in PAPER_TASKS and not subject:
+        raise ValueError(f"unknown task {name!r}; one of {', '.join(PAPER_TASKS)}, or mmlu_<subject>")
+    return LOCAL_PREFIX + name if local else name
+
+
+class _QuietCustomDataset:
+    """Drops lm-eval's per-task hint about custom_dataset kwargs (one line per MMLU subject)."""
+
+    @staticmethod
+    def filter(record):
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+def task_manager(data_dir: str | None = None):
+    """lm-eval TaskManager: the standard tasks, or (data_dir given) only linjax's local tasks."""
+    import logging
+
+    from lm_eval.tasks import TaskManager
+
+    logger = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _QuietCustomDataset) for f in logger.filters):
+        logger.addFilter(_QuietCustomDataset())
+    if data_dir is None:
+        return TaskManager()
+    return TaskManager(include_path=TASKS_DIR, include_defaults=False,
+                       metadata={"linjax_data_dir": os.path.abspath(data_dir)})
+
+
+def load_tasks(names, data_dir: str | None = None):
+    """{lm-eval task name: Task} of the leaf tasks of user task names (for inspection and tests)."""
+    local = data_dir is not None
+    return task_manager(data_dir).load([task_name(n, local) for n in names])["tasks"]
+
+
+@contextlib.contextmanager
+def hf_directory(model_spec: str):
+    """An HF directory for the model: itself if it is one, else a temporary export."""
+    if os.path.isdir(model_spec) and os.path.exists(os.path.join(model_spec, "config.json")):
+        yield model_spec
+        return
+    import linjax
+    from linjax.eval.models import load_model
+
+    model, tokenizer, _ = load_model(model_spec)
+    if tokenizer is None:
+        raise ValueError(f"{model_spec} has no tokenizer; lm-eval needs one")
+    with tempfile.TemporaryDirectory(prefix="linjax-lm-eval-") as tmp:
+        linjax.save_hf(model, os.path.join(tmp, "model"), tokenizer)
+        del model
+        yield os.path.join(tmp, "model")
+
+
+def _user_name(name: str) -> str:
+    return name[len(LOCAL_PREFIX):] if name.startswith(LOCAL_PREFIX) else name
+
+
+def _fmt(x) -> str:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return "N/A" if isinstance(x, float) and math.isnan(x) else f"{x:.4f}"
+    return str(x)
+
+
+def table_markdown(results: dict, order) -> str:
+    """task | metric | value | stderr, the tasks in `order` (user names), then any subtask."""
+    lines = ["| task | metric | value | stderr |", "|---|---|---|---|"]
+    for task in order:
+        metrics = results.get(task, {})
+        for key, value in metrics.items():
+            if "," not in key or "_stderr" in key or key.startswith("alias"):
+                continue
+            metric, filt = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filt}", "")
+            lines.append(f"| {task} | {metric} | {_fmt(value)} | {_fmt(stderr) if stderr != '' else ''} |")
+    return "\n".join(lines)
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | float | None = None,
+        num_fewshot: int | None = None, batch_size: int = 8, out_dir: str) -> dict:
+    """Evaluates a model on user-named tasks; writes lm_eval_results.json and results.md to out_dir."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from linjax.eval.cli import write_json
+
+    if isinstance(limit, float) and limit >= 1 and limit.is_integer():
+        limit = int(limit)
+    tasks = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
+    local = data_dir is not None
+    names = {t: task_name(t, local) for t in tasks}
+    # one lm-eval call per few-shot setting (mmlu is 5-shot, the rest 0-shot, as in the paper)
+    by_shots: dict = {}
+    for t in tasks:
+        shots = num_fewshot if num_fewshot is not None else DEFAULT_FEWSHOT.get(t.split("_")[0], 0)
+        by_shots.setdefault(shots, []).append(t)
+    # lm-eval bootstraps perplexity's stderr in a forked multiprocessing pool: no fork under JAX
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    manager = task_manager(data_dir)
+    results, groups, n_samples, configs, versions, seconds = {}, {}, {}, {}, {}, {}
+    start = time.perf_counter()
+    with hf_directory(model_spec) as directory:
+        lm = HFLM(pretrained=directory, trust_remote_code=True, device="cpu", dtype="float32",
+                  batch_size=batch_size)
+        for shots, group in by_shots.items():
+            t0 = time.perf_counter()
+            out = lm_eval.simple_evaluate(model=lm, tasks=[names[t] for t in group], num_fewshot=shots,
+                                          limit=limit, task_manager=manager, log_samples=False,
+                                          bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
+                                          torch_random_seed=0, fewshot_random_seed=0)
+            for t in group:
+                seconds[t] = (time.perf_counter() - t0) / len(group)
+            for key in ("results", "groups", "n-samples", "configs", "versions"):
+                target = {"results": results, "groups": groups, "n-samples": n_samples, "configs": configs,
+                          "versions": versions}[key]
+                for name, value in (out.get(key) or {}).items():
+                    target[_user_name(name)] = value
+    results = _jsonable(results)
+    order = [t for t in tasks]
+    summary = {
+        "model": model_spec, "tasks": tasks, "data_dir": os.path.abspath(data_dir) if local else None,
+        "source": "local files" if local else "lm-eval hub tasks",
+        "lm_eval_version": lm_eval.__version__, "limit": limit,
+        "num_fewshot": {t: s for s, g in by_shots.items() for t in g}, "batch_size": batch_size,
+        "seconds": round(time.perf_counter() - start, 2), "seconds_per_task": {t: round(s, 2) for t, s in seconds.items()},
+        "results": results, "groups": _jsonable(groups), "n-samples": _jsonable(n_samples),
+        "versions": _jsonable(versions), "configs": _jsonable(configs),
+    }
+    summary["table_markdown"] = table_markdown(results, order)
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(os.path.join(out_dir, "lm_eval_results.json"), summary)
+    tmp = os.path.join(out_dir, "results.md.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"# lm-eval: {model_spec}\n\n{summary['source']}, limit {limit}, "
+                f"few-shot {summary['num_fewshot']}\n\n{summary['table_markdown']}\n")
+    os.replace(tmp, os.path.join(out_dir, "results.md"))
+    return summary

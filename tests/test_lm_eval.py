@@ -1,0 +1,131 @@
+"""`linjax eval lm-eval`: local task files (parsing, prompts) and end-to-end runs through lm-eval."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
+
+from linjax.eval import lm_eval_bridge  # noqa: E402
+
+ARC_CHALLENGE = [
+    {"id": "Mercury_7175875", "question": {"stem": "An astronomer observes that a planet rotates faster after a "
+     "meteorite impact. Which is the most likely effect of this increase in rotation?", "choices": [
+        {"text": "Planetary density will decrease.", "label": "A"},
+        {"text": "Planetary years will become longer.", "label": "B"},
+        {"text": "Planetary days will become shorter.", "label": "C"},
+        {"text": "Planetary gravity will become stronger.", "label": "D"}]}, "answerKey": "C"},
+    {"id": "NYSEDREGENTS_2015_4_8", "question": {"stem": "Which object is a good conductor of electricity?",
+     "choices": [{"text": "a wooden spoon", "label": "1"}, {"text": "a plastic cup", "label": "2"},
+                 {"text": "a metal nail", "label": "3"}, {"text": "a rubber band", "label": "4"}]},
+     "answerKey": "3"},
+    {"id": "Mercury_SC_401", "question": {"stem": "Which of these is a mammal?", "choices": [
+        {"text": "shark", "label": "A"}, {"text": "frog", "label": "B"}, {"text": "eagle", "label": "C"},
+        {"text": "snake", "label": "D"}, {"text": "whale", "label": "E"}]}, "answerKey": "E"},
+]
+WINOGRANDE = [
+    {"qID": "1", "sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.",
+     "option1": "Sarah", "option2": "Maria", "answer": "1"},
+    {"qID": "2", "sentence": "The trophy doesn't fit into the suitcase because the _ is too small.",
+     "option1": "trophy", "option2": "suitcase", "answer": "2"},
+    {"qID": "3", "sentence": "John poured water from the bottle into the cup until the _ was full.",
+     "option1": "bottle", "option2": "cup"},  # no answer field: dev-labels.lst gives it
+]
+
+
+def _write_fixtures(root, labels=True):
+    os.makedirs(os.path.join(root, "arc"), exist_ok=True)
+    os.makedirs(os.path.join(root, "winogrande"), exist_ok=True)
+    with open(os.path.join(root, "arc", "ARC-Challenge-Test.jsonl"), "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in ARC_CHALLENGE)
+    with open(os.path.join(root, "winogrande", "dev.jsonl"), "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in WINOGRANDE)
+    if labels:
+        with open(os.path.join(root, "winogrande", "dev-labels.lst"), "w") as f:
+            f.write("1\n2\n2\n")
+
+
+def _full_data_dir(root, shared):
+    """The shared data folder plus the ARC-Challenge and WinoGrande fixtures (symlinks, nothing copied)."""
+    _write_fixtures(root)
+    for name in ("piqa", "hellaswag", "mmlu", "lambada"):
+        os.symlink(os.path.join(shared, name), os.path.join(root, name))
+    for name in os.listdir(os.path.join(shared, "arc")):
+        os.symlink(os.path.join(shared, "arc", name), os.path.join(root, "arc", name))
+    return root
+
+
+def test_arc_challenge_and_winogrande_fixtures(tmp_path):
+    _write_fixtures(str(tmp_path))
+    tasks = lm_eval_bridge.load_tasks(["arc_challenge", "winogrande"], str(tmp_path))
+    arc, wino = tasks["linjax_arc_challenge"], tasks["linjax_winogrande"]
+    docs = list(arc.eval_docs)
+    assert len(docs) == 3
+    assert [arc.doc_to_target(d) for d in docs] == [2, 2, 4]  # C, "3" of 1-4, E of A-E
+    assert arc.doc_to_text(docs[1]) == "Question: Which object is a good conductor of electricity?\nAnswer:"
+    assert arc.doc_to_choice(docs[2])[4] == "whale"
+    docs = list(wino.eval_docs)
+    assert len(docs) == 3
+    assert [wino.doc_to_text(d) for d in docs] == [0, 1, 1]  # the gold context index (partial scoring)
+    assert wino.doc_to_choice(docs[1]) == ["The trophy doesn't fit into the suitcase because the trophy",
+                                           "The trophy doesn't fit into the suitcase because the suitcase"]
+    assert wino.doc_to_target(docs[1]) == "is too small."
+
+
+def test_missing_labels_and_unknown_task(tmp_path):
+    _write_fixtures(str(tmp_path), labels=False)
+    with pytest.raises(Exception, match="no answer"):
+        list(lm_eval_bridge.load_tasks(["winogrande"], str(tmp_path))["linjax_winogrande"].eval_docs)
+    with pytest.raises(ValueError, match="unknown task"):
+        lm_eval_bridge.task_name("boolq", local=True)
+
+
+def test_shared_data_parsed(shared_data):
+    tasks = lm_eval_bridge.load_tasks(["piqa", "hellaswag", "mmlu_anatomy", "lambada_openai"], shared_data)
+    piqa, hs = tasks["linjax_piqa"], tasks["linjax_hellaswag"]
+    mmlu, lam = tasks["linjax_mmlu_anatomy"], tasks["linjax_lambada_openai"]
+    assert len(list(piqa.eval_docs)) == 1838 and len(list(hs.eval_docs)) == 10042
+    assert len(list(lam.eval_docs)) == 5153 and len(list(mmlu.eval_docs)) == 135
+    d = list(hs.eval_docs)[0]
+    assert hs.doc_to_text(d) == "Roof shingle removal: A man is sitting on a roof. He"  # as lm-eval's
+    assert hs.doc_to_target(d) == 3
+    assert mmlu.config.description == "The following are multiple choice questions (with answers) about anatomy.\n\n"
+    assert len(list(mmlu.fewshot_docs())) == 5
+
+
+def test_end_to_end_tiny_all_tasks(tiny_source, shared_data, tmp_path):
+    data = _full_data_dir(str(tmp_path / "data"), shared_data)
+    out = str(tmp_path / "out")
+    result = lm_eval_bridge.run(tiny_source, tasks=list(lm_eval_bridge.PAPER_TASKS), data_dir=data, limit=2,
+                                batch_size=4, out_dir=out)
+    assert result["limit"] == 2 and result["num_fewshot"]["mmlu"] == 5 and result["num_fewshot"]["piqa"] == 0
+    for task in lm_eval_bridge.PAPER_TASKS:
+        assert task in result["results"], task
+        assert f"| {task} | acc |" in result["table_markdown"]
+    assert 0 <= result["results"]["piqa"]["acc,none"] <= 1
+    assert result["results"]["lambada_openai"]["perplexity,none"] > 1
+    assert result["n-samples"]["arc_challenge"]["effective"] == 2
+    with open(os.path.join(out, "lm_eval_results.json")) as f:
+        assert json.load(f)["table_markdown"] == result["table_markdown"]
+    assert "| task | metric | value | stderr |" in open(os.path.join(out, "results.md")).read()
+
+
+@pytest.mark.slow
+def test_smollm2_local_tasks(shared_data, tmp_path):
+    from linjax.convert.sources import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    result = lm_eval_bridge.run("smollm2-135m", tasks=["piqa", "arc_easy", "hellaswag", "mmlu_abstract_algebra",
+                                                       "lambada_openai"],
+                                data_dir=shared_data, limit=3, batch_size=4, out_dir=str(tmp_path))
+    r = result["results"]
+    assert result["num_fewshot"]["mmlu_abstract_algebra"] == 5
+    for task in ("piqa", "arc_easy", "hellaswag", "mmlu_abstract_algebra", "lambada_openai"):
+        assert 0 <= r[task]["acc,none"] <= 1
+    assert 1 < r["lambada_openai"]["perplexity,none"] < 1000  # a trained 135M model, not a random one
