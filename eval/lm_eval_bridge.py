@@ -141,11 +141,8 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     tasks = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
     local = data_dir is not None
     names = {t: task_name(t, local) for t in tasks}
-    # one lm-eval call per few-shot setting (mmlu is 5-shot, the rest 0-shot, as in the paper)
-    by_shots: dict = {}
-    for t in tasks:
-        shots = num_fewshot if num_fewshot is not None else DEFAULT_FEWSHOT.get(t.split("_")[0], 0)
-        by_shots.setdefault(shots, []).append(t)
+    # one lm-eval call per task (its own few-shot setting: mmlu 5-shot, the rest 0-shot, as in the paper)
+    shots_of = {t: num_fewshot if num_fewshot is not None else DEFAULT_FEWSHOT.get(t.split("_")[0], 0) for t in tasks}
     # lm-eval bootstraps perplexity's stderr in a forked multiprocessing pool: no fork under JAX
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
     manager = task_manager(data_dir)
@@ -154,14 +151,14 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     with hf_directory(model_spec) as directory:
         lm = HFLM(pretrained=directory, trust_remote_code=True, device="cpu", dtype="float32",
                   batch_size=batch_size)
-        for shots, group in by_shots.items():
+        for t in tasks:
             t0 = time.perf_counter()
-            out = lm_eval.simple_evaluate(model=lm, tasks=[names[t] for t in group], num_fewshot=shots,
+            out = lm_eval.simple_evaluate(model=lm, tasks=[names[t]], num_fewshot=shots_of[t],
                                           limit=limit, task_manager=manager, log_samples=False,
                                           bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
                                           torch_random_seed=0, fewshot_random_seed=0)
-            for t in group:
-                seconds[t] = (time.perf_counter() - t0) / len(group)
+            seconds[t] = time.perf_counter() - t0
+            print(f"lm-eval {t}: {seconds[t]:.1f} s", flush=True)
             for key in ("results", "groups", "n-samples", "configs", "versions"):
                 target = {"results": results, "groups": groups, "n-samples": n_samples, "configs": configs,
                           "versions": versions}[key]
@@ -173,7 +170,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         "model": model_spec, "tasks": tasks, "data_dir": os.path.abspath(data_dir) if local else None,
         "source": "local files" if local else "lm-eval hub tasks",
         "lm_eval_version": lm_eval.__version__, "limit": limit,
-        "num_fewshot": {t: s for s, g in by_shots.items() for t in g}, "batch_size": batch_size,
+        "num_fewshot": shots_of, "batch_size": batch_size,
         "seconds": round(time.perf_counter() - start, 2), "seconds_per_task": {t: round(s, 2) for t, s in seconds.items()},
         "results": results, "groups": _jsonable(groups), "n-samples": _jsonable(n_samples),
         "versions": _jsonable(versions), "configs": _jsonable(configs),
