@@ -33,7 +33,7 @@ def main():
              f"Perplexity: WikiText-2 raw test, the first {original['windows']} non-overlapping windows of 1,024 "
              f"tokens ({original['tokens']:,} scored tokens of 301,948), `linjax eval perplexity ... "
              "--seq-len 1024 --max-windows 64`.", "",
-             "| model | new parameters trained | perplexity before training | after 200 steps | "
+             "| model | steps done | perplexity before training | after training | "
              "train loss, first 20 steps | last 20 steps | median tokens/s |", "|---|---|---|---|---|---|---|",
              f"| original SmolLM2-135M (full attention) | — | {original['perplexity']:.2f} | — | — | — | — |"]
     for name, title in RUNS.items():
