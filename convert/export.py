@@ -65,7 +65,7 @@ def export_config(model) -> dict:
         "eos_token_id": eos,
         "torch_dtype": "float32",
         "dtype": "float32",
-        "use_cache": False,  # no cache: generation recomputes the prefix (exact)
+        "use_cache": True,  # generate decodes incrementally with modeling_linjax.LinjaxCache
     }
 
 

@@ -14,11 +14,19 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
 - the short-conv adapter runs on q, k, v after RoPE; a LoRA adapter is already
   merged into the q/k/v/o weights by the exporter (exact: the mixer applies it
   to both the softmax and the linear part);
-- the linear recurrences run a chunk of 16 tokens at a time (`chunked_linear`;
-  `linear_recurrence` is the token-by-token reference, kept for checking);
-  the window softmax uses a dense [T, T] mask; there is no KV / state cache, so
-  `generate` recomputes the whole prefix every step (exact, quadratic in the
-  generated length).
+- a forward over several tokens runs the linear recurrences with FLA's chunk
+  kernels when CUDA is there and `fla` (flash-linear-attention) imports
+  (`fla_linear`), and otherwise 16 tokens at a time in PyTorch (`chunked_linear`);
+  one decode token, or `form = "recurrent"`, runs `linear_recurrence`, the
+  token-by-token reference. The softmax parts use dense scores over the kept keys;
+- `generate` decodes incrementally with `LinjaxCache`, which holds per layer what
+  linjax's decode states hold (linjax/mixers/linear.py LinearState): for softmax
+  layers every past key and value; for linear layers the recurrent state, the
+  short-conv inputs of the last K − 1 tokens, the keys and values of the sinks
+  and of the window, and the linear inputs (k', v', gates) of the last `window`
+  tokens, which reach the state only `window` tokens later. The cache cannot be
+  cropped, so assisted decoding is refused; `use_cache=False` recomputes the
+  whole prefix every step instead (exact, quadratic).
 
 Kernel math (linjax/kernels/*.py), per query head h reading kv head h // (H // Hkv),
 state S_t including token t, o_t = scale · S_tᵀ q_t, scale = Dk^-1/2:
@@ -27,11 +35,12 @@ state S_t including token t, o_t = scale · S_tᵀ q_t, scale = Dk^-1/2:
     GDN        S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ   (α per channel)
     gdn_scalar the same with one α per head
     Hedgehog   S_t = Σ φ(k_i)[v_i, 1]ᵀ, scale 1, normalised by the last column
-Imports only torch, transformers, math and typing.
+Imports only torch, transformers and the standard library (`fla` optionally, on CUDA).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -39,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 LINEAR_MIXERS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
@@ -151,17 +161,17 @@ def expand_kv(x, heads: int):
     return x.repeat_interleave(heads // x.shape[2], dim=2)
 
 
-def window_softmax_parts(q, k, v, sinks: int, window: Optional[int]):
+def window_softmax_parts(q, k, v, query_positions, key_positions, sinks: int, window: Optional[int]):
     """Unnormalised softmax over I_t = {j ≤ t : j < sinks or t − j < window} (window None: all j ≤ t).
 
-    Dense [T, T] scores: fine for export checks and short prompts. Returns fp32
-    (numerator [B,T,H,Dv], row_max [B,T,H], row_sum [B,T,H]) as kernels/swa.py's SoftmaxParts.
+    q [B,T,H,D] at query_positions [T]; k, v [B,L,Hkv,D] at key_positions [L] (the new tokens'
+    keys and any cached ones). Dense [T, L] scores. Returns fp32 (numerator [B,T,H,Dv],
+    row_max [B,T,H], row_sum [B,T,H]) as kernels/swa.py's SoftmaxParts.
     """
-    H, D, T = q.shape[2], q.shape[3], q.shape[1]
+    H, D = q.shape[2], q.shape[3]
     k, v = expand_kv(k.float(), H), expand_kv(v.float(), H)
     scores = torch.einsum("bthd,bjhd->bhtj", q.float(), k) * D ** -0.5
-    t = torch.arange(T, device=q.device)[:, None]
-    j = torch.arange(T, device=q.device)[None, :]
+    t, j = query_positions[:, None], key_positions[None, :]
     mask = j <= t
     if window is not None:
         mask = mask & ((j < sinks) | (t - j < window))
@@ -170,6 +180,142 @@ def window_softmax_parts(q, k, v, sinks: int, window: Optional[int]):
     p = torch.exp(scores - row_max[..., None]) * mask
     numerator = torch.einsum("bhtj,bjhe->bthe", p, v)
     return numerator, row_max.transpose(1, 2), p.sum(-1).transpose(1, 2)
+
+
+def token_positions(start: int, length: int, device) -> torch.Tensor:
+    """Positions start .. start + length − 1 of the tokens in this call (the masks and the shift use them)."""
+    return torch.arange(start, start + length, device=device)
+
+
+# ----------------------------------------------------------------------------- decode cache
+
+
+class LayerCache:
+    """One layer's part of `LinjaxCache`; the flags are what transformers' Cache asks of its layers."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def tensors(self) -> dict:
+        """The batch-first tensors held, by attribute name (None entries: not filled yet)."""
+        raise NotImplementedError
+
+    def map_tensors(self, fn):
+        """Applies fn to every held tensor along the batch axis (beam reordering, batch selection)."""
+        for name, value in self.tensors().items():
+            if isinstance(value, list):
+                setattr(self, name, [fn(x) for x in value])
+            elif isinstance(value, dict):
+                setattr(self, name, {key: fn(x) for key, x in value.items()})
+            elif value is not None:
+                setattr(self, name, fn(value))
+
+    def get_seq_length(self) -> int:
+        raise NotImplementedError("LinjaxCache counts tokens for all layers: call cache.get_seq_length()")
+
+    def get_max_length(self) -> int:
+        return -1  # no fixed size: softmax layers grow, the others keep a bounded state
+
+
+class KeyValueCache(LayerCache):
+    """Post-RoPE keys/values [B,L,Hkv,D] with their positions [L] that later queries attend to:
+    all of them (window None: full softmax attention), or the first `sinks` and the last `window`
+    (kernels/swa.py WindowCache, kept in position order instead of a ring)."""
+
+    def __init__(self, sinks: int = 0, window: Optional[int] = None):
+        self.sinks, self.window = sinks, window
+        self.keys = self.values = self.positions = None
+        self.length = 0  # tokens seen
+
+    def tensors(self):
+        return {"keys": self.keys, "values": self.values}
+
+    def reset(self):
+        self.keys = self.values = self.positions = None
+        self.length = 0
+
+    def extend(self, k, v, positions):
+        """(keys, values, key positions) to attend over, the new ones last; keeps what later tokens need."""
+        self.length += k.shape[1]
+        if self.keys is not None:
+            k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
+            positions = torch.cat([self.positions, positions])
+        kept = (k, v, positions)
+        if self.window is not None:
+            # Held: positions 0 .. head − 1 (sinks not yet in the window) and the `tail` latest, in order.
+            last = self.length - 1
+            head, tail = max(0, min(self.sinks, last - self.window + 1)), min(self.window, self.length)
+            kept = tuple(torch.cat([x[:, :head], x[:, x.shape[1] - tail:]], dim=1) for x in (k, v))
+            kept += (torch.cat([positions[:head], positions[positions.shape[0] - tail:]]),)
+        self.keys, self.values, self.positions = kept
+        return k, v, positions
+
+
+class LinearLayerCache(LayerCache):
+    """A linear layer's decode state, linjax's LinearState: its size does not grow with the context."""
+
+    def __init__(self, sinks: int, window: int):
+        self.recurrent = None  # S [B,H,Dk',Dv'] (fp32) over positions sinks .. t − window
+        self.conv = None  # {"q","k","v"}: short-conv inputs of the last K − 1 tokens [B,K−1,C] (fp32)
+        self.window = KeyValueCache(sinks, window) if window else None  # the sinks' and the window's k, v
+        self.shifted = None  # [k', v', *gates] of the last `window` tokens, oldest first [B,window,...]
+
+    def tensors(self):
+        return {"recurrent": self.recurrent, "conv": self.conv, "shifted": self.shifted}
+
+    def map_tensors(self, fn):
+        super().map_tensors(fn)
+        if self.window is not None:
+            self.window.map_tensors(fn)
+
+    def reset(self):
+        self.recurrent = self.conv = self.shifted = None
+        if self.window is not None:
+            self.window.reset()
+
+
+class LinjaxCache(Cache):
+    """Decode state of every layer for `generate` (passed as past_key_values).
+
+    Softmax layers keep a growing KV cache; linear layers a fixed-size state (`LinearLayerCache`).
+    Tokens cannot be taken back out of a linear state, so `crop` (assisted decoding) is refused.
+    """
+
+    def __init__(self, config: "LinjaxConfig"):
+        settings = config.linearize
+        window, sinks = int(settings.get("window", 0)), int(settings.get("sinks", 0))
+        super().__init__(layers=[KeyValueCache() if mixer == "softmax" else LinearLayerCache(sinks, window)
+                                 for mixer in config.mixers])
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    def reset(self):
+        for layer in self.layers:
+            layer.reset()
+        self.seen_tokens = 0
+
+    def reorder_cache(self, beam_idx):
+        for layer in self.layers:
+            layer.map_tensors(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        for layer in self.layers:
+            layer.map_tensors(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        for layer in self.layers:
+            layer.map_tensors(lambda x: x[indices])
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("a LinjaxCache cannot drop tokens: the linear state has already absorbed "
+                                  "them; decode without assisted generation, or recompute with use_cache=False")
 
 
 class Attention(nn.Module):
@@ -207,9 +353,12 @@ class Attention(nn.Module):
         b, t = o.shape[:2]
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
-    def forward(self, x, positions):
-        q, k, v = self.qkv(x, positions)
-        numerator, _, row_sum = window_softmax_parts(q, k, v, 0, None)
+    def forward(self, x, position_ids, start: int = 0, cache: Optional[KeyValueCache] = None):
+        """x [B,T,d] at positions start .. start + T − 1 (after `cache`'s tokens, if one is given)."""
+        q, k, v = self.qkv(x, position_ids)
+        positions = token_positions(start, x.shape[1], x.device)
+        keys, values, key_positions = (k, v, positions) if cache is None else cache.extend(k, v, positions)
+        numerator, _, row_sum = window_softmax_parts(q, keys, values, positions, key_positions, 0, None)
         return self.out((numerator / row_sum[..., None]).to(x.dtype))
 
 
@@ -233,31 +382,65 @@ def l2_normalize(x, eps: float = 1e-6):
     return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(x, conv: nn.Conv1d):
-    """Depthwise causal conv over time: x [B,T,N,D] → same shape (left padding K − 1, fp32)."""
+def causal_conv(x, conv: nn.Conv1d, history=None):
+    """Depthwise causal conv over time: x [B,T,N,D] → (y [B,T,N,D], the last K − 1 inputs [B,K−1,N·D]), fp32.
+
+    `history`: the K − 1 inputs before x (zeros for a fresh sequence), as returned by the previous call.
+    K shifted multiply-adds, as kernels/conv.py (cheaper than a conv call for one decode token).
+    """
     b, t, n, d = x.shape
-    y = conv(F.pad(x.float().reshape(b, t, n * d).transpose(1, 2), (conv.kernel_size[0] - 1, 0)))
-    return y.transpose(1, 2).reshape(b, t, n, d)
+    K = conv.kernel_size[0]
+    x = x.float().reshape(b, t, n * d)
+    if history is None:
+        history = x.new_zeros(b, K - 1, n * d)
+    padded = torch.cat([history, x], dim=1)
+    weight = conv.weight.float()[:, 0, :]  # [C, K]; tap K − 1 multiplies the current token
+    y = conv.bias.float() + sum(weight[:, i] * padded[:, i:i + t] for i in range(K))
+    return y.reshape(b, t, n, d), padded[:, t:]
 
 
-def shift_linear_inputs(k, v, gates, sinks: int, window: int):
-    """Entry t gets the token at t − window (zeros before), its key zeroed if it is a sink:
-    the linear state at t is then S over positions sinks .. t − window (kernels/swa.py)."""
-    T = k.shape[1]
+def shift_linear_inputs(inputs, sinks: int, window: int, start: int = 0, history=None):
+    """The linear inputs (k', v', *gates) [B,T,...] at positions start .. start + T − 1, delayed by `window`.
 
-    def shift(x):
-        pad = torch.zeros((x.shape[0], window) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-        return torch.cat([pad, x], dim=1)[:, :T]
+    Entry t gets the token at t − window (zeros before the sequence), its key zeroed if it is a
+    sink: the linear state at t then covers positions sinks .. t − window (kernels/swa.py).
+    `history`: the same inputs of the `window` tokens before `start` (None: a fresh sequence).
+    Returns (shifted inputs, the history for the next call).
+    """
+    T = inputs[0].shape[1]
+    if history is None:
+        history = [x.new_zeros((x.shape[0], window) + tuple(x.shape[2:])) for x in inputs]
+    joined = [torch.cat([h, x], dim=1) for h, x in zip(history, inputs)]
+    shifted = [x[:, :T] for x in joined]
+    source = token_positions(start, T, inputs[0].device) - window
+    keep = (source >= sinks).to(shifted[0].dtype).view(1, T, *([1] * (shifted[0].dim() - 2)))
+    shifted[0] = shifted[0] * keep
+    return shifted, [x[:, -window:] for x in joined]
 
-    source = torch.arange(T, device=k.device) - window
-    keep = (source >= sinks).to(k.dtype).view(1, T, *([1] * (k.dim() - 2)))
-    return shift(k) * keep, shift(v), [shift(g) for g in gates]
+
+def log_decay_per_channel(kind: str, k, gates):
+    """[B,T,H,Dk]: log of the per-channel decay of the state (GDN's β erase enters separately)."""
+    B, T, H, Dk = k.shape
+    if kind in ("gla", "kgla", "gdn"):
+        log_decay = gates[0]
+    elif kind == "gdn_scalar":
+        log_decay = gates[0][..., None].expand(B, T, H, Dk)
+    else:  # hedgehog
+        log_decay = torch.zeros_like(k)
+    if kind == "kgla":  # kernels/kgla.py key_log_gate
+        erase = gates[1][..., None] * k * k
+        log_decay = log_decay + torch.log1p(-torch.clamp(erase, max=1.0 - KEY_GATE_FLOOR))
+    return log_decay
 
 
-def linear_recurrence(kind: str, q, k, v, gates, scale: float):
-    """o [B,T,H,Dv] (fp32) of the mechanism's recurrence, token by token; q [B,T,H,Dk], k, v on H heads."""
+def linear_recurrence(kind: str, q, k, v, gates, scale: float, initial_state=None):
+    """(o [B,T,H,Dv], final state [B,H,Dk,Dv]) of the mechanism's recurrence, token by token (fp32).
+
+    q [B,T,H,Dk], k and v on the H query heads, gates [B,T,H,Dk] or [B,T,H];
+    initial_state: S before the first token (None: zeros).
+    """
     B, T, H, Dk = q.shape
-    S = q.new_zeros(B, H, Dk, v.shape[-1])
+    S = q.new_zeros(B, H, Dk, v.shape[-1]) if initial_state is None else initial_state
     outs = []
     for t in range(T):
         qt, kt, vt = q[:, t], k[:, t], v[:, t]
@@ -276,11 +459,11 @@ def linear_recurrence(kind: str, q, k, v, gates, scale: float):
         else:  # hedgehog: no decay
             S = S + kt[..., :, None] * vt[..., None, :]
         outs.append(scale * torch.einsum("bhk,bhkv->bhv", qt, S))
-    return torch.stack(outs, dim=1)
+    return torch.stack(outs, dim=1), S
 
 
-def chunked_linear(kind: str, q, k, v, gates, scale: float, chunk: int = 16):
-    """`linear_recurrence`'s output computed a chunk at a time (same arguments; fp32).
+def chunked_linear(kind: str, q, k, v, gates, scale: float, initial_state=None, chunk: int = 16):
+    """`linear_recurrence`'s (o, final state) computed a chunk at a time (same arguments; fp32).
 
     Inside a chunk, with G_i = Σ_{t≤i} log α_t (per channel, from the chunk start) and S_0 the
     state before it, every exponent below is a sum of log-gates over the span it decays, so ≤ 0:
@@ -291,20 +474,12 @@ def chunked_linear(kind: str, q, k, v, gates, scale: float, chunk: int = 16):
     = β_i (v_i − (k_i ⊙ e^{G_i})ᵀ S_0) (the WY form of kernels/gdn.py).
     """
     B, T, H, Dk = q.shape
-    if kind in ("gla", "kgla", "gdn"):
-        log_decay = gates[0]
-    elif kind == "gdn_scalar":
-        log_decay = gates[0][..., None].expand(B, T, H, Dk)
-    else:  # hedgehog
-        log_decay = torch.zeros_like(q)
-    if kind == "kgla":  # kernels/kgla.py key_log_gate
-        erase = gates[1][..., None] * k * k
-        log_decay = log_decay + torch.log1p(-torch.clamp(erase, max=1.0 - KEY_GATE_FLOOR))
+    log_decay = log_decay_per_channel(kind, k, gates)
     delta = kind in ("gdn", "gdn_scalar")
     beta = gates[1] if delta else None
 
     n = -(-T // chunk)
-    pad = n * chunk - T  # padded tokens: k = 0, v = 0, log α = 0, β = 0 change nothing before them
+    pad = n * chunk - T  # padded tokens: k = 0, v = 0, log α = 0, β = 0 change neither o nor S
     to_chunks = lambda x: F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)).transpose(1, 2).reshape(
         B, H, n, chunk, *x.shape[3:])
     q, k, v, log_decay = map(to_chunks, (q, k, v, log_decay))
@@ -312,7 +487,7 @@ def chunked_linear(kind: str, q, k, v, gates, scale: float, chunk: int = 16):
         beta = F.pad(beta, (0, 0, 0, pad)).transpose(1, 2).reshape(B, H, n, chunk)
     G = log_decay.cumsum(dim=3)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    S = q.new_zeros(B, H, Dk, v.shape[-1])
+    S = q.new_zeros(B, H, Dk, v.shape[-1]) if initial_state is None else initial_state
     outs = []
     for c in range(n):
         qc, kc, vc, Gc = q[:, :, c], k[:, :, c], v[:, :, c], G[:, :, c]
@@ -331,7 +506,65 @@ def chunked_linear(kind: str, q, k, v, gates, scale: float, chunk: int = 16):
         last = Gc[:, :, -1:]
         S = last.exp().transpose(-1, -2) * S + (kc * (last - Gc).exp()).transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(B, H, n * chunk, -1).transpose(1, 2)
-    return o[:, :T]
+    return o[:, :T], S
+
+
+@functools.lru_cache(maxsize=None)
+def fla_kernels():
+    """FLA's chunk kernels by the name `fla_linear` uses, or None (no CUDA, or `fla` does not import)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.gla import chunk_gla
+        from fla.ops.kda import chunk_kda
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception:  # not installed, or triton cannot start: the PyTorch forms run instead
+        return None
+    return {"gla": chunk_gla, "kda": chunk_kda, "gated_delta_rule": chunk_gated_delta_rule,
+            "linear_attn": chunk_linear_attn}
+
+
+def fla_linear(kind: str, q, k, v, gates, scale: float, initial_state=None, kernels=None):
+    """`chunked_linear` on flash-linear-attention's chunk kernels: same arguments, same (o, final state).
+
+    FLA (fla-core 0.6) shares this file's conventions: [B,T,H,D] tensors, log-space gates
+    (natural log; the kernels rescale to base 2 themselves), β after the sigmoid, a
+    [B,H,Dk,Dv] fp32 state with the key axis first, `scale` multiplying q. k and v come
+    already on the H query heads, so no GQA/GVA option is used. The mapping is which kernel:
+        gla, kgla   chunk_gla(g = log decay per channel; kGLA's key gate folded in first)
+        gdn         chunk_kda(g = log α per channel, beta)   KDA is the per-channel gated delta rule
+        gdn_scalar  chunk_gated_delta_rule(g = log α per head, beta)
+        hedgehog    chunk_linear_attn(normalize=False), scale 1 (the normaliser is v's last column)
+    `kernels`: {"gla", "kda", "gated_delta_rule", "linear_attn"} → function (default `fla_kernels()`;
+    the tests pass FLA's naive references, which take the same keyword arguments).
+    """
+    kernels = kernels or fla_kernels()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    state = {"scale": scale, "initial_state": initial_state, "output_final_state": True}
+    if kind in ("gla", "kgla"):
+        return kernels["gla"](q, k, v, g=log_decay_per_channel(kind, k, gates).contiguous(), **state)
+    if kind == "gdn":
+        return kernels["kda"](q, k, v, g=gates[0].contiguous(), beta=gates[1].contiguous(), **state)
+    if kind == "gdn_scalar":
+        return kernels["gated_delta_rule"](q, k, v, g=gates[0].contiguous(), beta=gates[1].contiguous(), **state)
+    return kernels["linear_attn"](q, k, v, normalize=False, **state)
+
+
+def run_linear(form: str, kind: str, q, k, v, gates, scale: float, initial_state=None):
+    """The one place a linear kernel is chosen. form "auto": one token → `linear_recurrence` (a decode
+    step), CUDA with FLA → `fla_linear`, else `chunked_linear`; "chunked", "recurrent", "fla" force one."""
+    if form == "auto":
+        if q.shape[1] == 1:
+            form = "recurrent"
+        elif q.is_cuda and fla_kernels() is not None:
+            form = "fla"
+        else:
+            form = "chunked"
+    run = {"chunked": chunked_linear, "recurrent": linear_recurrence, "fla": fla_linear}.get(form)
+    if run is None:
+        raise ValueError(f"unknown linear form {form!r}; expected auto, chunked, recurrent or fla")
+    return run(kind, q, k, v, gates, scale, initial_state)
 
 
 class LinearAttention(Attention):
@@ -341,7 +574,7 @@ class LinearAttention(Attention):
         super().__init__(config)
         settings = config.linearize
         self.kind = kind
-        self.form = "chunked"  # or "recurrent": `linear_recurrence`, token by token (the reference)
+        self.form = "auto"  # see `run_linear`
         self.window, self.sinks = int(settings.get("window", 0)), int(settings.get("sinks", 0))
         self.combine = settings.get("combine", "sum")
         d, H, hd = config.hidden_size, self.num_heads, self.head_dim
@@ -374,29 +607,44 @@ class LinearAttention(Attention):
             gates.append(torch.sigmoid(self.beta_proj(h)))
         return gates
 
-    def forward(self, x, positions):
-        q, k, v = self.qkv(x, positions)
+    def forward(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+        """x [B,T,d] at positions start .. start + T − 1; `cache` is read and advanced past them."""
+        q, k, v = self.qkv(x, position_ids)
         softmax_q, softmax_k, softmax_v = q, k, v  # the window attends with the raw post-RoPE q, k, v
         if self.conv:
-            q, k, v = causal_conv(q, self.q_conv), causal_conv(k, self.k_conv), causal_conv(v, self.v_conv)
+            history = (cache.conv if cache is not None else None) or {}
+            (q, hq), (k, hk), (v, hv) = (causal_conv(q, self.q_conv, history.get("q")),
+                                         causal_conv(k, self.k_conv, history.get("k")),
+                                         causal_conv(v, self.v_conv, history.get("v")))
+            if cache is not None:
+                cache.conv = {"q": hq, "k": hk, "v": hv}
         if self.kind == "hedgehog":
             q, k = self.query_map(q), self.key_map(k)
             v = torch.cat([v.float(), torch.ones_like(v[..., :1], dtype=torch.float32)], dim=-1)  # [v, 1]
         else:
             q, k = l2_normalize(q), l2_normalize(k)
-        gates = self.gates(x)
-        k, v = k.float(), v.float()
+        linear_inputs = [k.float(), v.float(), *self.gates(x)]
         if self.window:
-            k, v, gates = shift_linear_inputs(k, v, gates, self.sinks, self.window)
+            linear_inputs, shifted = shift_linear_inputs(linear_inputs, self.sinks, self.window, start,
+                                                         None if cache is None else cache.shifted)
+            if cache is not None:
+                cache.shifted = shifted
+        k, v, *gates = linear_inputs
         H = self.num_heads
         scale = 1.0 if self.kind == "hedgehog" else self.head_dim ** -0.5
-        run = chunked_linear if self.form == "chunked" else linear_recurrence
-        lin = run(self.kind, q.float(), expand_kv(k, H), expand_kv(v, H), gates, scale)
+        lin, state = run_linear(self.form, self.kind, q.float(), expand_kv(k, H), expand_kv(v, H), gates, scale,
+                                None if cache is None else cache.recurrent)
+        if cache is not None:
+            cache.recurrent = state
         normaliser = None
         if self.kind == "hedgehog":
             lin, normaliser = lin[..., :-1], lin[..., -1]
         if self.window:
-            numerator, _, row_sum = window_softmax_parts(softmax_q, softmax_k, softmax_v, self.sinks, self.window)
+            positions = token_positions(start, x.shape[1], x.device)
+            keys, values, key_positions = ((softmax_k, softmax_v, positions) if cache is None
+                                           else cache.window.extend(softmax_k, softmax_v, positions))
+            numerator, _, row_sum = window_softmax_parts(softmax_q, keys, values, positions, key_positions,
+                                                         self.sinks, self.window)
             y = self.combine_parts(lin, normaliser, numerator, row_sum)
         elif normaliser is not None:
             y = lin / (normaliser[..., None] + 1e-10)
@@ -427,8 +675,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions):
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x, position_ids, start: int = 0, cache: Optional[LayerCache] = None):
+        x = x + self.self_attn(self.input_layernorm(x), position_ids, start, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -439,10 +687,14 @@ class LinjaxModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, m) for m in config.mixers])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions):
+    def forward(self, input_ids, position_ids, cache: Optional[LinjaxCache] = None):
+        """Hidden states of input_ids [B,T], which follow the cache's tokens (if any); advances the cache."""
+        start = 0 if cache is None else cache.seen_tokens
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, position_ids, start, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
         return self.norm(x)
 
 
@@ -450,6 +702,7 @@ class LinjaxPreTrainedModel(PreTrainedModel):
     config_class = LinjaxConfig
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
+    _is_stateful = True  # transformers: no assisted decoding (a linear state cannot be rolled back)
 
     def _init_weights(self, module):
         # Every tensor comes from the checkpoint; nothing to initialise.
@@ -457,7 +710,7 @@ class LinjaxPreTrainedModel(PreTrainedModel):
 
 
 class LinjaxForCausalLM(LinjaxPreTrainedModel, GenerationMixin):
-    """Tokens [B,T] → logits [B,T,vocab]; no cache: `generate` recomputes the prefix each step."""
+    """Tokens [B,T] → logits [B,T,vocab]; with use_cache, also the `LinjaxCache` to continue from."""
 
     def __init__(self, config: LinjaxConfig):
         super().__init__(config)
@@ -467,6 +720,11 @@ class LinjaxForCausalLM(LinjaxPreTrainedModel, GenerationMixin):
             config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate must not build a DynamicCache: forward creates a LinjaxCache on the first call.
+        return False
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -474,23 +732,45 @@ class LinjaxForCausalLM(LinjaxPreTrainedModel, GenerationMixin):
         self.model.embed_tokens = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                past_key_values=None, use_cache=None, return_dict=None, **kwargs):
+                past_key_values=None, use_cache=None, logits_to_keep: int = 0, return_dict=None, **kwargs):
         if input_ids is None:
             raise ValueError("LinjaxForCausalLM needs input_ids (inputs_embeds are not supported)")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("padding is not supported (the linear state has no mask): pass unpadded "
                              "rows of equal length, or one row at a time")
+        if use_cache is None:
+            use_cache = getattr(self.config, "use_cache", True)
+        cache = past_key_values
+        if cache is not None and not isinstance(cache, LinjaxCache):
+            if cache.get_seq_length() != 0:
+                raise ValueError(f"past_key_values must be a LinjaxCache (or empty); got a {type(cache).__name__} "
+                                 f"holding {cache.get_seq_length()} tokens")
+            cache = None  # e.g. an empty DynamicCache(): replaced by the state this model needs
+        if cache is None and use_cache:
+            cache = LinjaxCache(self.config)
         b, t = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        h = self.model(input_ids, position_ids)
+            start = 0 if cache is None else cache.seen_tokens
+            position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+        h = self.model(input_ids, position_ids, cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
         logits = F.linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        # No cache: always the whole sequence so far (exact; costs a full forward per token).
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=None,
+                                      next_sequence_length=None, logits_to_keep=None, **kwargs):
+        # With a cache only the tokens it has not seen go in (generate passes the whole sequence so far).
+        if next_sequence_length is not None:
+            input_ids = input_ids[:, -next_sequence_length:]
+        elif isinstance(past_key_values, LinjaxCache) and 0 < past_key_values.seen_tokens < input_ids.shape[1]:
+            input_ids = input_ids[:, past_key_values.seen_tokens:]
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values,
+                  "use_cache": use_cache}
+        if logits_to_keep is not None:
+            inputs["logits_to_keep"] = logits_to_keep
+        return inputs

@@ -10,8 +10,16 @@ Coverage: every mechanism × adapter (None, shortconv, LoRA with B ≠ 0) × win
 whose layer 5 is kept as softmax attention (keep_full_attention, the hybrid):
 an error in any layer shows in the logits. Both base models run the full adapter ×
 window grid: LLaMA with llama3 RoPE and q/k/v/o biases, Qwen3 with q/k norm and tied
-embeddings. The LLaMA run adds combine="mixed", a plain (not linearized) export that
-must load as LlamaForCausalLM, and greedy generation against `linjax.generate`.
+embeddings. The LLaMA run adds combine="mixed" and a plain (not linearized) export that
+must load as LlamaForCausalLM. Greedy generation (20 tokens after a 70-token prompt, so
+the window and the shifted linear inputs roll over while decoding) is checked against
+`linjax.generate` with the cache and without it, on two cases per base model (every
+mechanism each time): LLaMA LoRA w56 s8 and shortconv "mixed" w56 s8, Qwen3 shortconv
+without a window and plain w64 s0.
+
+Also here: FLA's chunk-kernel adapter (`fla_linear`) against the PyTorch chunked form,
+run with FLA's naive references in place of the CUDA kernels, and the real SmolLM2-135M
+linearized with GDN + window 56 + sinks 8 + shortconv (slow).
 """
 
 from __future__ import annotations
@@ -73,6 +81,12 @@ def build_case(model_type: str, adapter, window: int, sinks: int, combine: str =
     return model
 
 
+GENERATE_CASES = {"llama": ("llama-lora-w56-s8", "llama-mixed-w56-s8"),
+                  "qwen3": ("qwen3-shortconv-w0-s0", "qwen3-None-w64-s0")}
+PROMPT = 70  # > window + sinks: decoding crosses into the linear state
+NEW_TOKENS = 20
+
+
 def write_cases(model_type: str, root: str):
     """JAX side (run in a subprocess): export every case to root/<name>/ and save tokens + logits."""
     import jax
@@ -94,17 +108,16 @@ def write_cases(model_type: str, root: str):
         np.savez(os.path.join(root, name + ".npz"), tokens=tokens,
                  logits=np.asarray(forward(model, jnp.asarray(tokens))))
         manifest.append({"name": name, "kind": "linjax", "recurrent": name.endswith("shortconv-w56-s8")})
+        if name in GENERATE_CASES[model_type]:  # greedy, against linjax.generate with its decode states
+            prompt = tokens[:1, :PROMPT]
+            generated = np.asarray(linjax.generate(model, jnp.asarray(prompt), NEW_TOKENS))
+            np.savez(os.path.join(root, name + ".generate.npz"), prompt=prompt, generated=generated)
+            manifest.append({"name": name, "kind": "generate"})
     if model_type == "llama":
         plain = CausalLM(base_config("llama"), rngs=nnx.Rngs(7))  # not linearized: the standard architecture
         linjax.save_hf(plain, os.path.join(root, "plain"))
         np.savez(os.path.join(root, "plain.npz"), tokens=tokens, logits=np.asarray(forward(plain, jnp.asarray(tokens))))
         manifest.append({"name": "plain", "kind": "LlamaForCausalLM"})
-        # Greedy generation, against linjax.generate with its decode states.
-        prompt = tokens[:1, :70]
-        model = cases[-2][1]  # lora, window 56, sinks 8
-        generated = np.asarray(linjax.generate(model, jnp.asarray(prompt), 20))
-        np.savez(os.path.join(root, "generate.npz"), prompt=prompt, generated=generated)
-        manifest.append({"name": cases[-2][0], "kind": "generate"})
     with open(os.path.join(root, "manifest.json"), "w") as f:
         json.dump(manifest, f)
 
@@ -118,16 +131,22 @@ from transformers import AutoModelForCausalLM
 
 root = sys.argv[1]
 results = {}
+models = {}
 for case in json.load(open(os.path.join(root, "manifest.json"))):
     directory = os.path.join(root, case["name"])
-    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32)
-    model.eval()
-    if case["kind"] == "generate":
-        data = np.load(os.path.join(root, "generate.npz"))
-        out = model.generate(torch.tensor(data["prompt"], dtype=torch.long), max_new_tokens=20,
-                             min_new_tokens=20, do_sample=False, use_cache=False)
-        results["generate"] = {"match": out.numpy().tolist() == data["generated"].tolist(),
-                               "class": type(model).__name__}
+    if case["name"] not in models:
+        models[case["name"]] = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
+                                                                    dtype=torch.float32).eval()
+    model = models[case["name"]]
+    if case["kind"] == "generate":  # greedy, with LinjaxCache and recomputing the prefix
+        data = np.load(os.path.join(root, case["name"] + ".generate.npz"))
+        prompt = torch.tensor(data["prompt"], dtype=torch.long)
+        for use_cache in (True, False):
+            new = data["generated"].shape[1] - prompt.shape[1]
+            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 use_cache=use_cache)
+            results[f"{case['name']}-generate-cache{int(use_cache)}"] = {
+                "match": out.numpy().tolist() == data["generated"].tolist()}
         continue
     data = np.load(os.path.join(root, case["name"] + ".npz"))
     with torch.no_grad():
@@ -142,6 +161,9 @@ for case in json.load(open(os.path.join(root, "manifest.json"))):
             logits = model(torch.tensor(data["tokens"], dtype=torch.long)).logits.float().numpy()
         results[case["name"] + "-recurrent"] = {"max_abs": float(np.abs(logits - data["logits"]).max()),
                                                 "class": type(model).__name__}
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "form"):
+                layer.self_attn.form = "auto"
 assert "jax" not in sys.modules, "the PyTorch export imported JAX"
 print(json.dumps(results))
 """
@@ -165,14 +187,16 @@ def test_export_matches_linjax_without_jax(model_type, tmp_path):
         manifest = json.load(f)
     expected = {case["name"] for case in manifest if case["kind"] != "generate"}
     expected |= {case["name"] + "-recurrent" for case in manifest if case.get("recurrent")}
-    assert expected <= set(results), f"missing results: {sorted(expected - set(results))}"
+    generated = {f"{case['name']}-generate-cache{c}" for case in manifest if case["kind"] == "generate" for c in (0, 1)}
+    assert len(generated) == 4 and (expected | generated) <= set(results), \
+        f"missing results: {sorted((expected | generated) - set(results))}"
     for name in expected:
         result = results[name]
         assert result["max_abs"] <= TOLERANCE, f"{name}: max abs logit difference {result['max_abs']:.2e}"
         want = "LlamaForCausalLM" if name == "plain" else "LinjaxForCausalLM"
         assert result["class"] == want, f"{name} loaded as {result['class']}, expected {want}"
-    if model_type == "llama":
-        assert results["generate"]["match"], "PyTorch greedy generation differs from linjax.generate"
+    for name in generated:
+        assert results[name]["match"], f"{name}: PyTorch greedy generation differs from linjax.generate"
 
 
 def test_export_rejects_plain_model(tmp_path):
@@ -184,3 +208,142 @@ def test_export_rejects_plain_model(tmp_path):
     model = CausalLM(base_config("llama"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="linearized"):
         export_hf(model, str(tmp_path / "out"))
+
+
+# ----------------------------------------------------------------------------- FLA's chunk kernels
+
+
+def _fla_naive_kernels():
+    """FLA's naive PyTorch references under the names and keyword arguments of its chunk kernels."""
+    from tests.kernels.fla_oracle import fla_naive
+
+    gla, kda, gdr, linear = (fla_naive(sub) for sub in ("gla", "kda", "gated_delta_rule", "linear_attn"))
+
+    def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+        # naive_recurrent_gla fixes scale = K^-1/2 and calls the gate gk: fold the scale into q.
+        return gla.naive_recurrent_gla(q * (scale * q.shape[-1] ** 0.5), k, v, g, initial_state=initial_state,
+                                       output_final_state=output_final_state)
+
+    return {"gla": chunk_gla, "kda": kda.naive_recurrent_kda, "gated_delta_rule": gdr.naive_recurrent_gated_delta_rule,
+            "linear_attn": linear.naive_recurrent_linear_attn}
+
+
+@pytest.mark.parametrize("kind", MECHANISMS)
+def test_fla_adapter_matches_pytorch_chunked(kind):
+    """`fla_linear`'s argument mapping (gate format, scale, state layout, initial and final state): FLA's naive
+    references in place of the CUDA chunk kernels must give `chunked_linear`'s output and final state."""
+    import torch
+
+    from linjax.convert import modeling_linjax as ml
+
+    kernels = _fla_naive_kernels()
+    generator = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    B, T, H, D = 2, 37, 3, 16  # T not a multiple of any chunk size
+    Dk = 2 * D if kind == "hedgehog" else D
+    Dv = D + 1 if kind == "hedgehog" else D
+    if kind == "hedgehog":
+        q, k = randn(B, T, H, Dk).softmax(-1), randn(B, T, H, Dk).softmax(-1)
+    else:
+        q, k = ml.l2_normalize(randn(B, T, H, Dk)), ml.l2_normalize(randn(B, T, H, Dk))
+    v = randn(B, T, H, Dv)
+    gates = []
+    if kind in ("gla", "kgla", "gdn"):
+        gates.append(torch.nn.functional.logsigmoid(2 + randn(B, T, H, Dk)))
+    if kind == "gdn_scalar":
+        gates.append(torch.nn.functional.logsigmoid(2 + randn(B, T, H)))
+    if kind in ("kgla", "gdn", "gdn_scalar"):
+        gates.append(torch.sigmoid(randn(B, T, H)))
+    scale = 1.0 if kind == "hedgehog" else Dk ** -0.5
+    state = 0.3 * randn(B, H, Dk, Dv)
+    for initial_state in (None, state):
+        want, want_state = ml.chunked_linear(kind, q, k, v, gates, scale, initial_state)
+        got, got_state = ml.fla_linear(kind, q, k, v, gates, scale, initial_state, kernels=kernels)
+        assert got.shape == want.shape and got_state.shape == want_state.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-5)
+    # On a machine without CUDA the default form is the PyTorch one, FLA installed or not.
+    if not torch.cuda.is_available():
+        assert ml.fla_kernels() is None
+        got, _ = ml.run_linear("auto", kind, q, k, v, gates, scale, state)
+        torch.testing.assert_close(got, ml.chunked_linear(kind, q, k, v, gates, scale, state)[0], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- SmolLM2-135M
+
+
+SMOLLM2_TOKENS = 96  # logits over positions 64-95 read the linear state (window 56 + sinks 8 = 64)
+SMOLLM2_PROMPT = 72
+
+
+def write_smollm2_case(root: str):
+    """JAX side: SmolLM2-135M linearized (GDN, window 56, sinks 8, shortconv), new parameters moved off their
+    init, exported to root/smollm2 with its logits and a 20-token greedy continuation from linjax.generate."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import linjax
+    from linjax.layers import Trainable
+
+    jax.config.update("jax_disable_most_optimizations", True)
+    base, tokenizer = linjax.load("smollm2-135m")
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv"))
+    # Each new array moves by half its own spread (0.1 where it is constant, e.g. β's bias), so the gates,
+    # β and the conv filters are far from their initial values.
+    state = nnx.state(model, Trainable)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.5 * jnp.maximum(jnp.std(x), 0.2) * jax.random.normal(key, x.shape, x.dtype)
+              for x, key in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    with open(__file__) as f:
+        tokens = np.asarray([tokenizer(f.read())["input_ids"][:SMOLLM2_TOKENS]], np.int32)
+    assert tokens.shape == (1, SMOLLM2_TOKENS)
+    linjax.save_hf(model, os.path.join(root, "smollm2"))
+    graphdef, params = nnx.split(model)
+    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens))
+    prompt = tokens[:, :SMOLLM2_PROMPT]
+    generated = np.asarray(linjax.generate(model, jnp.asarray(prompt), NEW_TOKENS))
+    np.savez(os.path.join(root, "smollm2.npz"), tokens=tokens, logits=np.asarray(logits), prompt=prompt,
+             generated=generated)
+
+
+SMOLLM2_CHECK = r"""
+import json, os, sys
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+root = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "smollm2"), trust_remote_code=True,
+                                             dtype=torch.float32).eval()
+data = np.load(os.path.join(root, "smollm2.npz"))
+with torch.no_grad():
+    logits = model(torch.tensor(data["tokens"], dtype=torch.long)).logits.numpy()
+prompt = torch.tensor(data["prompt"], dtype=torch.long)
+new = data["generated"].shape[1] - prompt.shape[1]
+out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+assert "jax" not in sys.modules, "the PyTorch export imported JAX"
+print(json.dumps({"max_abs": float(np.abs(logits - data["logits"]).max()),
+                  "logit_scale": float(np.abs(data["logits"]).max()),
+                  "generated": out[0].tolist(), "expected": data["generated"][0].tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_smollm2_export_matches_linjax_without_jax(tmp_path):
+    """The real SmolLM2-135M, linearized with the paper's recipe: logits within 1e-4 and the same 20 greedy
+    tokens (PyTorch decoding with LinjaxCache against linjax.generate)."""
+    from linjax.convert.sources import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    root = str(tmp_path)
+    _run(["-c", f"from tests.test_export import write_smollm2_case; write_smollm2_case({root!r})"], cwd=ROOT)
+    result = json.loads(_run(["-c", SMOLLM2_CHECK, root], cwd=root).strip().splitlines()[-1])
+    print(json.dumps(result))
+    assert result["max_abs"] <= TOLERANCE, f"max abs logit difference {result['max_abs']:.2e}"
+    assert result["generated"] == result["expected"], "PyTorch greedy generation differs from linjax.generate"
