@@ -119,7 +119,7 @@ def export_tensors(model) -> dict:
     """Every tensor of the export, float32, under the names modeling_linjax.py expects."""
     tensors = model_tensors(model, dtype=np.float32)
     for i, (block, kind) in enumerate(zip(model.layers, mixer_names(model))):
-        if kind == "softmax":
+        if kind in ("softmax", "window"):  # the pretrained projections only
             continue
         prefix = f"model.layers.{i}.self_attn"
         if block.attn.lora is not None:

@@ -7,7 +7,8 @@ model.safetensors, so the directory loads without JAX:
 
 It reproduces linjax's forward pass in fp32 (the parity test holds it to 1e-4
 max abs on the logits). What it does differently from HF's LlamaForCausalLM:
-- each layer's mixer is either the pretrained softmax attention or a linear
+- each layer's mixer is the pretrained softmax attention, softmax over the sinks
+  and the window alone ("window", the baseline without a linear term), or a linear
   one (config.mixers[i]: gla, kgla, gdn, gdn_scalar, hedgehog), optionally
   beside exact softmax over `sinks` first tokens and a `window` of recent ones,
   the linear state then covering only positions sinks .. t − window (paper, sec. 4);
@@ -92,9 +93,10 @@ class LinjaxConfig(PretrainedConfig):
         super().__init__(**kwargs)
         if len(self.mixers) != num_hidden_layers:
             raise ValueError(f"config.mixers names {len(self.mixers)} layers; the model has {num_hidden_layers}")
-        unknown = sorted(set(self.mixers) - set(LINEAR_MIXERS) - {"softmax"})
+        unknown = sorted(set(self.mixers) - set(LINEAR_MIXERS) - {"softmax", "window"})
         if unknown:
-            raise ValueError(f"unknown mixers {unknown}; this file implements softmax and {list(LINEAR_MIXERS)}")
+            raise ValueError(f"unknown mixers {unknown}; this file implements softmax, window and "
+                             f"{list(LINEAR_MIXERS)}")
 
 
 # ----------------------------------------------------------------------------- shared layers
@@ -286,7 +288,8 @@ class LinjaxCache(Cache):
     def __init__(self, config: "LinjaxConfig"):
         settings = config.linearize
         window, sinks = int(settings.get("window", 0)), int(settings.get("sinks", 0))
-        super().__init__(layers=[KeyValueCache() if mixer == "softmax" else LinearLayerCache(sinks, window)
+        layer_cache = {"softmax": lambda: KeyValueCache(), "window": lambda: KeyValueCache(sinks, window)}
+        super().__init__(layers=[layer_cache.get(mixer, lambda: LinearLayerCache(sinks, window))()
                                  for mixer in config.mixers])
         self.seen_tokens = 0
 
@@ -320,6 +323,8 @@ class LinjaxCache(Cache):
 
 class Attention(nn.Module):
     """The pretrained q/k/v/o projections (with q/k norm and RoPE), and full causal softmax attention."""
+
+    sinks, window = 0, None  # attend to every earlier token
 
     def __init__(self, config: LinjaxConfig):
         super().__init__()
@@ -358,8 +363,17 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, position_ids)
         positions = token_positions(start, x.shape[1], x.device)
         keys, values, key_positions = (k, v, positions) if cache is None else cache.extend(k, v, positions)
-        numerator, _, row_sum = window_softmax_parts(q, keys, values, positions, key_positions, 0, None)
+        numerator, _, row_sum = window_softmax_parts(q, keys, values, positions, key_positions, self.sinks,
+                                                     self.window)
         return self.out((numerator / row_sum[..., None]).to(x.dtype))
+
+
+class WindowAttention(Attention):
+    """Softmax over the first `sinks` tokens and the last `window` only, no linear term (linjax/mixers/window.py)."""
+
+    def __init__(self, config: LinjaxConfig):
+        super().__init__(config)
+        self.window, self.sinks = int(config.linearize["window"]), int(config.linearize.get("sinks", 0))
 
 
 # ----------------------------------------------------------------------------- linear mixers
@@ -671,7 +685,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: LinjaxConfig, mixer: str):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config) if mixer == "softmax" else LinearAttention(config, mixer)
+        if mixer in ("softmax", "window"):
+            self.self_attn = Attention(config) if mixer == "softmax" else WindowAttention(config)
+        else:
+            self.self_attn = LinearAttention(config, mixer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 

@@ -3,7 +3,8 @@
     linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N] [--out F.json]
     linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
     linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
-    linjax eval ruler MODEL --tasks niah_single_1,... --lengths 1024,2048 --samples N [--budgets 128,512] --out F.json
+    linjax eval ruler MODEL --tasks niah_single_1,... --lengths 1024,2048 --samples N [--budgets 128,512 [--window-only]]
+        --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
     linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] --out DIR
 
@@ -87,7 +88,8 @@ def _ruler(args):
 
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     result = ruler.run(args.model, tasks=args.tasks.split(","), lengths=ints(args.lengths), samples=args.samples,
-                       out=args.out, budgets=ints(args.budgets) or None, sinks=args.sinks, haystack=args.haystack,
+                       out=args.out, budgets=ints(args.budgets) or None, sinks=args.sinks,
+                       window_only=args.window_only, haystack=args.haystack,
                        seed=args.seed)
     print("\n" + result["table_markdown"] + f"\n→ {args.out}")
 
@@ -143,6 +145,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--samples", type=int, default=20, help="samples per task and length")
     p.add_argument("--budgets", default="", help="cache budgets (sinks + window) for a linearized model, e.g. 128,512")
     p.add_argument("--sinks", type=int, default=8, help="sinks within each budget")
+    p.add_argument("--window-only", action="store_true",
+                   help="MODEL is full attention: evaluate it as sinks + window softmax alone at each budget "
+                        "(the baseline with no linear state)")
     p.add_argument("--haystack", help="haystack text for niah_single_2/3 (default: RULER's Paul Graham essays)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")

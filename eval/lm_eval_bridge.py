@@ -134,8 +134,6 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    from linjax.eval.cli import write_json
-
     if isinstance(limit, float) and limit >= 1 and limit.is_integer():
         limit = int(limit)
     tasks = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
@@ -148,6 +146,23 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     manager = task_manager(data_dir)
     results, groups, n_samples, configs, versions, seconds = {}, {}, {}, {}, {}, {}
     start = time.perf_counter()
+
+    def summary() -> dict:
+        done = [t for t in tasks if t in seconds]
+        out = {
+            "model": model_spec, "tasks": tasks, "finished_tasks": done,
+            "data_dir": os.path.abspath(data_dir) if local else None,
+            "source": "local files" if local else "lm-eval hub tasks",
+            "lm_eval_version": lm_eval.__version__, "limit": limit,
+            "num_fewshot": shots_of, "batch_size": batch_size,
+            "seconds": round(time.perf_counter() - start, 2),
+            "seconds_per_task": {t: round(s, 2) for t, s in seconds.items()},
+            "results": _jsonable(results), "groups": _jsonable(groups), "n-samples": _jsonable(n_samples),
+            "versions": _jsonable(versions), "configs": _jsonable(configs),
+        }
+        out["table_markdown"] = table_markdown(out["results"], done)
+        return out
+
     with hf_directory(model_spec) as directory:
         lm = HFLM(pretrained=directory, trust_remote_code=True, device="cpu", dtype="float32",
                   batch_size=batch_size)
@@ -159,28 +174,22 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
                                           torch_random_seed=0, fewshot_random_seed=0)
             seconds[t] = time.perf_counter() - t0
             print(f"lm-eval {t}: {seconds[t]:.1f} s", flush=True)
-            for key in ("results", "groups", "n-samples", "configs", "versions"):
-                target = {"results": results, "groups": groups, "n-samples": n_samples, "configs": configs,
-                          "versions": versions}[key]
+            for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
+                                ("configs", configs), ("versions", versions)):
                 for name, value in (out.get(key) or {}).items():
                     target[_user_name(name)] = value
-    results = _jsonable(results)
-    order = [t for t in tasks]
-    summary = {
-        "model": model_spec, "tasks": tasks, "data_dir": os.path.abspath(data_dir) if local else None,
-        "source": "local files" if local else "lm-eval hub tasks",
-        "lm_eval_version": lm_eval.__version__, "limit": limit,
-        "num_fewshot": shots_of, "batch_size": batch_size,
-        "seconds": round(time.perf_counter() - start, 2), "seconds_per_task": {t: round(s, 2) for t, s in seconds.items()},
-        "results": results, "groups": _jsonable(groups), "n-samples": _jsonable(n_samples),
-        "versions": _jsonable(versions), "configs": _jsonable(configs),
-    }
-    summary["table_markdown"] = table_markdown(results, order)
+            _write(out_dir, summary())  # after every task: a long run killed halfway keeps what finished
+    return summary()
+
+
+def _write(out_dir: str, summary: dict) -> None:
+    """lm_eval_results.json and results.md, atomically."""
+    from linjax.eval.cli import write_json
+
     os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "lm_eval_results.json"), summary)
     tmp = os.path.join(out_dir, "results.md.tmp")
     with open(tmp, "w") as f:
-        f.write(f"# lm-eval: {model_spec}\n\n{summary['source']}, limit {limit}, "
+        f.write(f"# lm-eval: {summary['model']}\n\n{summary['source']}, limit {summary['limit']}, "
                 f"few-shot {summary['num_fewshot']}\n\n{summary['table_markdown']}\n")
     os.replace(tmp, os.path.join(out_dir, "results.md"))
-    return summary

@@ -12,7 +12,11 @@ tokens by the model's tokenizer (±2%). Generation is greedy; a sample scores 1
 when the value appears in the answer, case-insensitively (RULER's string_match_all).
 
     linjax eval ruler MODEL --tasks niah_single_1,niah_single_2,niah_single_3 --lengths 1024,2048,4096 \\
-        --samples N [--budgets 128,256,512] [--haystack FILE] --out results.json
+        --samples N [--budgets 128,256,512 [--window-only]] [--haystack FILE] --out results.json
+
+MODEL is full attention (one variant), linearized (`--budgets`: re-read at each cache
+budget, sinks + window = budget), or full attention with `--window-only --budgets`: the
+same budgets with sinks + window softmax alone, the baseline without a linear state.
 """
 
 from __future__ import annotations
@@ -141,6 +145,9 @@ class Generator:
         return Sample(task, prompt, (value,), needle, depth, NEW_TOKENS[kind])
 
 
+PREFILL_CHUNK = 256  # fixed prefill shapes: one compilation serves every prompt of a length (generate.py)
+
+
 def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> list[dict]:
     """Greedy answers and scores of `samples` (one at a time: prompts differ in length)."""
     import jax.numpy as jnp
@@ -149,29 +156,60 @@ def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> 
     from linjax.generate import generate
 
     rows = []
+    # One cache size for all samples (prompts are within 2% of each other), so one compilation.
+    capacity = max(len(tokenizer(s.prompt, add_special_tokens=False)["input_ids"]) + s.max_new_tokens
+                   for s in samples) if samples else 0
     for s in tqdm(samples, desc="S-NIAH", disable=not progress):
         ids = tokenizer(s.prompt, add_special_tokens=False)["input_ids"]
-        out = generate(model, jnp.asarray([ids], jnp.int32), s.max_new_tokens)
+        out = generate(model, jnp.asarray([ids], jnp.int32), s.max_new_tokens, prefill_chunk=PREFILL_CHUNK,
+                       cache_length=capacity)
         answer = tokenizer.decode(np.asarray(out[0, len(ids):]).tolist(), skip_special_tokens=True)
         rows.append({"task": s.task, "tokens": len(ids), "depth": s.depth, "answers": list(s.answers),
                      "prediction": answer, "score": score(answer, s.answers)})
     return rows
 
 
-def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None, sinks: int = 8,
-        haystack: str | None = None, seed: int = 0, progress: bool = True) -> dict:
-    """S-NIAH accuracy per task × length (× cache budget for a linearized model); writes `out` (+ .md)."""
-    from linjax.eval.cli import write_json
-    from linjax.eval.models import load_model
+def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> dict:
+    """{label: model} to evaluate: the model itself (no budgets), or one variant per cache budget b
+    (sinks + window = b): a linearized model re-read at that budget (`with_budget`), or, with
+    `window_only`, the full-attention model restricted to sinks + window softmax with no linear
+    term (mechanism "window", the training-free baseline)."""
+    import linjax
     from linjax.linearize import with_budget
+
+    linearized = getattr(model, "linearize_config", None) is not None
+    if window_only and (linearized or not budgets):
+        raise ValueError("--window-only turns a full-attention model into sinks + window attention at each "
+                         "--budgets value: give a plain (not linearized) model and --budgets, e.g. 128,512")
+    if budgets and not linearized and not window_only:
+        raise ValueError("cache budgets apply to a linearized model; for the window-only baseline of a "
+                         "full-attention model add --window-only")
+    bad = [b for b in budgets or () if b <= sinks]
+    if bad:
+        raise ValueError(f"budgets {bad} leave no window after {sinks} sinks; each budget must exceed --sinks")
+    if not budgets:
+        return {"as trained" if linearized else "full attention": model}
+    if window_only:
+        return {f"window only, budget {b} (sinks {sinks}, window {b - sinks})":
+                linjax.linearize(model, linjax.LinearizeConfig(mechanism="window", sinks=sinks, window=b - sinks))
+                for b in budgets}
+    return {f"budget {b} (sinks {sinks}, window {b - sinks})": with_budget(model, sinks=sinks, window=b - sinks)
+            for b in budgets}
+
+
+def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None, sinks: int = 8,
+        window_only: bool = False, haystack: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+    """S-NIAH accuracy per task × length (× cache budget); writes `out` (+ .md) after every cell."""
+    from linjax.eval.models import load_model
 
     model, tokenizer, name = load_model(model_spec)
     if tokenizer is None:
         raise ValueError(f"{model_spec} has no tokenizer; S-NIAH needs one")
     generator = Generator(tokenizer, haystack)
-    variants = {"as trained": model} if not budgets else {
-        f"budget {b} (sinks {sinks}, window {b - sinks})": with_budget(model, sinks=sinks, window=b - sinks)
-        for b in budgets}
+    variants = budget_variants(model, budgets, sinks, window_only)
+    settings = {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "budgets": list(budgets or []),
+                "sinks": sinks, "window_only": window_only, "seed": seed,
+                "haystack": os.path.abspath(generator.haystack_path) if generator.haystack_path else None}
     results, details = [], []
     for task in tasks:
         for length in lengths:
@@ -185,12 +223,22 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
                 details += [dict(r, variant=variant, length=length) for r in rows]
                 if progress:
                     print(f"{task} @ {length} [{variant}]: {accuracy:.2f}", flush=True)
+                result = _write(out, name, settings, results, details)  # after every cell: a crash keeps them
+    return result
+
+
+def _write(out: str, name: str, settings: dict, results: list, details: list) -> dict:
+    """The results JSON and a Markdown table beside it (same name, .md), atomically."""
+    from linjax.eval.cli import write_json
+
     table = ["| task | length | cache | accuracy | samples |", "|---|---|---|---|---|"]
     table += [f"| {r['task']} | {r['length']} | {r['variant']} | {r['accuracy']:.2f} | {r['samples']} |"
               for r in results]
-    result = {"model": name, "results": results, "table_markdown": "\n".join(table), "samples": details}
+    result = {"model": name, "settings": settings, "results": results, "table_markdown": "\n".join(table),
+              "samples": details}
     write_json(out, result)
-    with open(os.path.splitext(out)[0] + ".md.tmp", "w") as f:
+    markdown = os.path.splitext(out)[0] + ".md"
+    with open(markdown + ".tmp", "w") as f:
         f.write(f"# S-NIAH: {name}\n\n" + result["table_markdown"] + "\n")
-    os.replace(os.path.splitext(out)[0] + ".md.tmp", os.path.splitext(out)[0] + ".md")
+    os.replace(markdown + ".tmp", markdown)
     return result

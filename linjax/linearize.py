@@ -22,9 +22,10 @@ from linjax.mixers.gla import GLA
 from linjax.mixers.hedgehog import Hedgehog
 from linjax.mixers.kgla import KGLA
 from linjax.mixers.softmax import SoftmaxAttention
+from linjax.mixers.window import WindowAttention
 
 MIXERS = {"gla": GLA, "kgla": KGLA, "gdn": GDN, "gdn_scalar": GDNScalar, "hedgehog": Hedgehog,
-          "softmax": SoftmaxAttention}
+          "window": WindowAttention, "softmax": SoftmaxAttention}
 ADAPTERS = (None, "shortconv", "lora")
 COMBINES = ("sum", "mixed")
 KERNELS = ("chunked", "pallas")
@@ -35,6 +36,7 @@ class LinearizeConfig:
     """How to linearize: the paper's final recipe is GDN + window 56 + 8 sinks + short conv.
 
     mechanism: gla | kgla | gdn (Kimi, per-channel gate) | gdn_scalar | hedgehog | softmax (no change)
+        | window (sinks + window softmax with no linear term: the training-free fixed-budget baseline)
     window, sinks: exact softmax over the first `sinks` tokens and the last `window` ones; the
         linear state covers the rest ("SWA 64" is window=64, sinks=0; 0/0 is pure linear attention).
     combine: "sum" (the paper's disjoint sum) or "mixed" (Liger's 0.5 · linear + 0.5 · window).
@@ -73,6 +75,11 @@ class LinearizeConfig:
         if self.sinks and not self.window:
             raise ValueError(f"sinks={self.sinks} need a window ≥ 1 (the current token is always attended "
                              "exactly); use window ≥ 1, or sinks=0 for pure linear attention")
+        if self.mechanism == "window" and not self.window:
+            raise ValueError("mechanism='window' attends only to the sinks and the window; it needs window ≥ 1")
+        if self.mechanism == "window" and self.adapter is not None:
+            raise ValueError(f"mechanism='window' has no linear part for the {self.adapter!r} adapter to act on; "
+                             "use adapter=None")
         if self.combine == "mixed" and not self.window:
             raise ValueError("combine='mixed' mixes the linear and window parts; it needs window ≥ 1")
         for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):

@@ -97,6 +97,8 @@ def _cache_length(states):
     for state in states:
         if hasattr(state, "length"):
             return state.length
+        if hasattr(state, "count"):  # a window-only layer's swa.WindowCache
+            return state.count
     raise ValueError("decoding states carry no `length`; pass `positions` explicitly")
 
 

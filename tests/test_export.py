@@ -10,12 +10,13 @@ Coverage: every mechanism × adapter (None, shortconv, LoRA with B ≠ 0) × win
 whose layer 5 is kept as softmax attention (keep_full_attention, the hybrid):
 an error in any layer shows in the logits. Both base models run the full adapter ×
 window grid: LLaMA with llama3 RoPE and q/k/v/o biases, Qwen3 with q/k norm and tied
-embeddings. The LLaMA run adds combine="mixed" and a plain (not linearized) export that
+embeddings. The LLaMA run adds combine="mixed", the window-only baseline (mechanism
+"window", w56 s8) and a plain (not linearized) export that
 must load as LlamaForCausalLM. Greedy generation (20 tokens after a 70-token prompt, so
 the window and the shifted linear inputs roll over while decoding) is checked against
-`linjax.generate` with the cache and without it, on two cases per base model (every
-mechanism each time): LLaMA LoRA w56 s8 and shortconv "mixed" w56 s8, Qwen3 shortconv
-without a window and plain w64 s0.
+`linjax.generate` with the cache and without it (every mechanism each time): LLaMA LoRA
+w56 s8, shortconv "mixed" w56 s8 and window-only w56 s8, Qwen3 shortconv without a
+window and plain w64 s0.
 
 Also here: FLA's chunk-kernel adapter (`fla_linear`) against the PyTorch chunked form,
 run with FLA's naive references in place of the CUDA kernels, and the real SmolLM2-135M
@@ -81,7 +82,18 @@ def build_case(model_type: str, adapter, window: int, sinks: int, combine: str =
     return model
 
 
-GENERATE_CASES = {"llama": ("llama-lora-w56-s8", "llama-mixed-w56-s8"),
+def window_only_case(model_type: str, seed: int = 0):
+    """The window-only baseline (sinks + window softmax, no linear term) with layer 5 kept as full attention."""
+    from flax import nnx
+
+    import linjax
+    from linjax.model import CausalLM
+
+    settings = linjax.LinearizeConfig(mechanism="window", window=56, sinks=8, keep_full_attention=(5,))
+    return linjax.linearize(CausalLM(base_config(model_type), rngs=nnx.Rngs(seed)), settings, seed=seed)
+
+
+GENERATE_CASES = {"llama": ("llama-lora-w56-s8", "llama-mixed-w56-s8", "llama-window-w56-s8"),
                   "qwen3": ("qwen3-shortconv-w0-s0", "qwen3-None-w64-s0")}
 PROMPT = 70  # > window + sinks: decoding crosses into the linear state
 NEW_TOKENS = 20
@@ -103,6 +115,7 @@ def write_cases(model_type: str, root: str):
     cases = [(f"{model_type}-{a}-w{w}-s{s}", build_case(model_type, a, w, s)) for a, w, s in grid()]
     if model_type == "llama":
         cases.append((f"{model_type}-mixed-w56-s8", build_case(model_type, "shortconv", 56, 8, combine="mixed")))
+        cases.append((f"{model_type}-window-w56-s8", window_only_case(model_type)))
     for name, model in cases:
         linjax.save_hf(model, os.path.join(root, name))
         np.savez(os.path.join(root, name + ".npz"), tokens=tokens,
@@ -188,7 +201,7 @@ def test_export_matches_linjax_without_jax(model_type, tmp_path):
     expected = {case["name"] for case in manifest if case["kind"] != "generate"}
     expected |= {case["name"] + "-recurrent" for case in manifest if case.get("recurrent")}
     generated = {f"{case['name']}-generate-cache{c}" for case in manifest if case["kind"] == "generate" for c in (0, 1)}
-    assert len(generated) == 4 and (expected | generated) <= set(results), \
+    assert len(generated) == 2 * len(GENERATE_CASES[model_type]) and (expected | generated) <= set(results), \
         f"missing results: {sorted((expected | generated) - set(results))}"
     for name in expected:
         result = results[name]

@@ -11,6 +11,7 @@ from flax import nnx
 
 import linjax
 from linjax.config import tiny_config
+from linjax.linearize import mixer_names
 from linjax.model import CausalLM
 from tests.helpers import relative_rms
 
@@ -162,6 +163,8 @@ def test_linear_decode_states_do_not_grow_with_context(tiny_models):
     (dict(adapter="dora"), "unknown adapter 'dora'"),
     (dict(combine="avg"), "unknown combine"),
     (dict(keep_full_attention=1.5), "fraction must be in"),
+    (dict(mechanism="window", window=0, sinks=0), "needs window ≥ 1"),
+    (dict(mechanism="window", adapter="shortconv"), "no linear part"),
 ])
 def test_bad_settings_are_refused(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -216,3 +219,60 @@ def test_pallas_kernels_inside_the_model_match_chunked(tiny_models, mechanism):
     pallas = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="pallas"), seed=1)
     tokens = tokens_for(base, 40, seed=6)
     assert relative_rms(np.asarray(jitted(pallas)[0](tokens)), np.asarray(jitted(chunked)[0](tokens))) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- window-only baseline
+
+
+def _dense_window_attention(base, tokens, sinks, window):
+    """Block 0's attention output with the sink + window mask applied to dense softmax scores (numpy)."""
+    proj = base.layers[0].attn.proj
+    h = base.layers[0].input_layernorm(base.embed_tokens(tokens))
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    q, k, v = (np.asarray(x, np.float64) for x in proj.qkv(h, positions))
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("bthd,bjhd->bhtj", q, k) / np.sqrt(q.shape[-1])
+    t, j = np.arange(q.shape[1])[:, None], np.arange(q.shape[1])[None, :]
+    allowed = (j <= t) & ((j < sinks) | (t - j < window))
+    scores = np.where(allowed, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    o = np.einsum("bhtj,bjhd->bthd", p / p.sum(-1, keepdims=True), v)
+    return np.asarray(proj.out(jnp.asarray(o, jnp.float32)))
+
+
+def test_window_only_is_dense_masked_softmax_and_adds_no_parameters(tiny_models):
+    base = tiny_models["qwen3"]
+    tokens = tokens_for(base, 50, seed=2)
+    for sinks, window in ((3, 10), (0, 7)):
+        model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="window", window=window, sinks=sinks))
+        assert linjax.trainable_parameter_count(model) == 0
+        assert mixer_names(model) == ["window", "window"]
+        block = model.layers[0]
+        h = block.input_layernorm(base.embed_tokens(tokens))
+        positions = jnp.broadcast_to(jnp.arange(50), tokens.shape)
+        got = np.asarray(block.attn(h, positions))
+        assert relative_rms(got, _dense_window_attention(base, tokens, sinks, window)) <= 1e-5
+    # A window covering the sequence is the original model.
+    wide = linjax.linearize(base, linjax.LinearizeConfig(mechanism="window", window=50, sinks=0))
+    assert relative_rms(np.asarray(wide(tokens)), np.asarray(base(tokens))) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_window_only_prefill_then_decode_equals_one_pass(one_layer_models, kind):
+    model = linjax.linearize(one_layer_models[kind], linjax.LinearizeConfig(mechanism="window", window=12, sinks=3))
+    full, stateful = jitted(model)
+    tokens = tokens_for(model, 60, seed=4)
+    expected = np.asarray(full(tokens))
+    states = model.init_states(2, 60)
+    pieces = []
+    logits, states = stateful(tokens[:, :20], states)  # prefill past the window
+    pieces.append(logits)
+    for i in range(20, 40):  # decode across the ring's wrap
+        logits, states = stateful(tokens[:, i:i + 1], states)
+        pieces.append(logits)
+    logits, states = stateful(tokens[:, 40:], states)  # a second prefill after decoding
+    pieces.append(logits)
+    assert relative_rms(np.concatenate([np.asarray(p) for p in pieces], axis=1), expected) <= 1e-5
+    assert [x.shape for x in jax.tree.leaves(model.init_states(2, 10))] == \
+        [x.shape for x in jax.tree.leaves(model.init_states(2, 10_000))]  # the cache is the budget, not the context

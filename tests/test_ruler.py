@@ -85,3 +85,52 @@ def test_cli_on_a_tiny_model(tiny_source, haystack, tmp_path):
         ("niah_single_1", 160, 2), ("niah_single_2", 160, 2)]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in result["results"])
     assert (tmp_path / "ruler.md").exists()
+
+
+def test_cli_window_only_baseline(tiny_source, haystack, tmp_path):
+    out = tmp_path / "window.json"
+    main(["eval", "ruler", tiny_source, "--tasks", "niah_single_1", "--lengths", "160", "--samples", "2",
+          "--budgets", "16,40", "--sinks", "4", "--window-only", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["results"]] == ["window only, budget 16 (sinks 4, window 12)",
+                                                         "window only, budget 40 (sinks 4, window 36)"]
+    assert result["settings"]["window_only"] and result["settings"]["budgets"] == [16, 40]
+
+
+def test_budget_variants_and_their_errors():
+    from linjax.config import tiny_config
+    from linjax.eval.ruler import budget_variants
+    from linjax.linearize import mixer_names
+    from linjax.model import CausalLM
+
+    base = CausalLM(tiny_config("llama", num_hidden_layers=2), rngs=nnx.Rngs(0))
+    assert list(budget_variants(base, None, 8)) == ["full attention"]
+    window = budget_variants(base, [128], 8, window_only=True)["window only, budget 128 (sinks 8, window 120)"]
+    assert mixer_names(window) == ["window", "window"] and window.linearize_config.window == 120
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=4, sinks=2))
+    assert budget_variants(model, [64], 8)["budget 64 (sinks 8, window 56)"].linearize_config.sinks == 8
+    with pytest.raises(ValueError, match="--window-only"):
+        budget_variants(base, [128], 8)
+    with pytest.raises(ValueError, match="plain"):
+        budget_variants(model, [128], 8, window_only=True)
+    with pytest.raises(ValueError, match="exceed --sinks"):
+        budget_variants(model, [8], 8)
+
+
+@pytest.mark.parametrize("mechanism", ["softmax", "gdn"])
+def test_fixed_shape_prefill_generates_the_same_tokens(mechanism):
+    """generate(prefill_chunk=..., cache_length=...) (the S-NIAH path) equals one-shot prefill."""
+    from linjax.config import tiny_config
+    from linjax.generate import generate
+    from linjax.model import CausalLM
+
+    model = CausalLM(tiny_config("qwen3", num_hidden_layers=2), rngs=nnx.Rngs(3))
+    if mechanism != "softmax":
+        model = linjax.linearize(model, linjax.LinearizeConfig(mechanism=mechanism, window=6, sinks=2,
+                                                               adapter="shortconv"))
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, 37)).astype(np.int32)
+    expected = np.asarray(generate(model, prompt, 8))
+    got = np.asarray(generate(model, prompt, 8, prefill_chunk=16, cache_length=64))
+    np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match="cache_length 40 is too small"):
+        generate(model, prompt, 8, cache_length=40)

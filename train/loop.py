@@ -103,6 +103,10 @@ def run(config, resume: bool = False, progress: bool = True):
         raise ValueError(f"{config.model.source} has no tokenizer; training needs one to read text")
     model = linjax.linearize(model, config.linearize, seed=tc.seed)
     graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+    if not jax.tree.leaves(trainable):
+        raise ValueError(f"linearize settings {config.linearize.to_dict()} add no trainable parameters "
+                         "(e.g. mechanism 'window' or 'softmax'): there is nothing to train; evaluate the "
+                         "experiment file directly (linjax eval ... CONFIG.toml)")
     mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
     frozen = sharding.shard_frozen(frozen, mesh)
     trainable = sharding.replicate(trainable, mesh)
