@@ -82,10 +82,20 @@ def load_tasks(names, data_dir: str | None = None):
     return task_manager(data_dir).load([task_name(n, local) for n in names])["tasks"]
 
 
+def is_hf_directory(path: str) -> bool:
+    """A transformers model directory (config.json with a model_type), not e.g. a training run directory,
+    whose config.json is the experiment."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return "model_type" in json.load(f)
+
+
 @contextlib.contextmanager
 def hf_directory(model_spec: str):
     """An HF directory for the model: itself if it is one, else a temporary export."""
-    if os.path.isdir(model_spec) and os.path.exists(os.path.join(model_spec, "config.json")):
+    if is_hf_directory(model_spec):
         yield model_spec
         return
     import linjax

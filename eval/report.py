@@ -72,24 +72,85 @@ def _approx_lines(result, run_dir) -> list[str]:
     return lines + [""]
 
 
+def _metric_rows(results: dict, tasks) -> dict:
+    """{(task, metric): value} of lm-eval results (no stderr or alias entries)."""
+    rows = {}
+    for task in tasks:
+        for key, value in (results.get(task) or {}).items():
+            if "," in key and "_stderr" not in key and not key.startswith("alias"):
+                rows[(task, key.split(",", 1)[0])] = value
+    return rows
+
+
 def _lm_eval_lines(result) -> list[str]:
     lines = ["## lm-eval (limited)", ""]
     if result.get("limit"):
-        lines.append(f"At most {result['limit']} examples per task: a smoke test of the exported model, not a "
-                     "benchmark figure.")
-        lines.append("")
-    table = result.get("table_markdown")
-    if table:
-        lines.append(table)
+        lines += [f"At most {result['limit']} examples per task (local task files): a check that the exported "
+                  "PyTorch model runs and roughly where it stands, not a benchmark figure.", ""]
+    models = result.get("models") or {"linearized, trained": result}  # older stage files: one model
+    per_model = {name: _metric_rows(r.get("results") or {}, result.get("tasks") or r.get("tasks") or [])
+                 for name, r in models.items()}
+    keys = list(dict.fromkeys(k for rows in per_model.values() for k in rows))
+    lines += ["| task | metric | " + " | ".join(per_model) + " |", "|---|---|" + "---|" * len(per_model)]
+    for task, metric in keys:
+        cells = [f"{per_model[m][(task, metric)]:.4f}" if (task, metric) in per_model[m] else "—" for m in per_model]
+        lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 def _ruler_lines(result) -> list[str]:
-    lines = ["## Long context (S-NIAH)", ""]
-    table = result.get("table_markdown")
-    if table:
-        lines.append(table)
+    lines = ["## Long context (S-NIAH)", "",
+             "RULER's single-needle tasks, greedy decoding, string match; accuracy over the samples. "
+             "\"window only\" is the original model restricted to the same sinks + window softmax with no "
+             "linear state: what the linear state adds is the difference between it and the linearized model.", "",
+             "| task | length | model | cache | accuracy | samples |", "|---|---|---|---|---|---|"]
+    models = result.get("models") or {"linearized, trained": result}
+    for name, r in models.items():
+        for row in r.get("results") or []:
+            lines.append(f"| {row['task']} | {row['length']} | {name} | {row['variant']} | {row['accuracy']:.2f} | "
+                         f"{row['samples']} |")
     return lines + [""]
+
+
+def _usable(result) -> bool:
+    return bool(result) and "skipped" not in result
+
+
+def _summary_lines(stages: dict) -> list[str]:
+    """The headline figures of each evaluation that ran, one bullet each."""
+    lines = []
+    perplexity = stages.get("perplexity")
+    if _usable(perplexity):
+        rows = ", ".join(f"{name} {row['perplexity']:.2f}" for name, row in perplexity["rows"].items())
+        lines.append(f"- Perplexity ({os.path.basename(perplexity['data'])}): {rows}.")
+    approx = stages.get("approx")
+    if _usable(approx) and approx.get("per_layer"):
+        nmse = [row["nmse"] for row in approx["per_layer"]]
+        worst = max(range(len(nmse)), key=nmse.__getitem__)
+        lines.append(f"- Attention approximation error: mean nMSE {sum(nmse) / len(nmse):.3g} over "
+                     f"{len(nmse)} layers, worst {nmse[worst]:.3g} (layer {approx['per_layer'][worst].get('layer', worst)}).")
+    lm_eval = stages.get("lm_eval")
+    if _usable(lm_eval):
+        models = lm_eval.get("models") or {"linearized, trained": lm_eval}
+        means = []
+        for name, r in models.items():
+            accs = [v for (task, metric), v in _metric_rows(r.get("results") or {}, lm_eval.get("tasks") or []).items()
+                    if metric == "acc"]
+            if accs:
+                means.append(f"{name} {sum(accs) / len(accs):.3f}")
+        if means:
+            lines.append(f"- lm-eval mean accuracy over {len(lm_eval.get('tasks') or [])} tasks (limit "
+                         f"{lm_eval.get('limit')}): " + ", ".join(means) + ".")
+    ruler = stages.get("ruler")
+    if _usable(ruler):
+        parts = []
+        for name, r in (ruler.get("models") or {"linearized, trained": ruler}).items():
+            rows = r.get("results") or []
+            if rows:
+                parts.append(f"{name} {sum(row['accuracy'] for row in rows) / len(rows):.2f}")
+        if parts:
+            lines.append("- S-NIAH mean accuracy: " + ", ".join(parts) + ".")
+    return (["## Summary", ""] + lines + [""]) if lines else []
 
 
 def write_report(config, run_dir: str, stages: dict) -> str:
@@ -102,12 +163,13 @@ def write_report(config, run_dir: str, stages: dict) -> str:
                   f"parameters, {convert['layers']} layers.", ""]
     lines += [f"Linearized with **{lin.mechanism}**, window {lin.window}, sinks {lin.sinks}, adapter "
               f"{lin.adapter or 'none'}, full-attention layers kept: {list(lin.keep_full_attention) or 'none'}.", ""]
+    lines += _summary_lines(stages)
     if train:
         tc = config.train
         lines += ["## Training", "",
                   f"{train['steps']} steps of {tc.batch_size} × {tc.seq_len} packed tokens, objective `{tc.objective}`, "
                   f"only the new parameters trained. Loss {train['first_loss']:.3f} at step 1, "
-                  f"{train['mean_loss_last_10']:.3f} averaged over the last 10 steps; "
+                  f"{train['mean_loss_last_10']:.3f} averaged over the last {min(10, train['steps'])} steps; "
                   f"{train['median_tokens_per_s']:.0f} tokens/s (median), {train['seconds'] / 60:.1f} min.", ""]
         plot = _loss_plot(run_dir)
         if plot:

@@ -188,7 +188,11 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> di
     if bad:
         raise ValueError(f"budgets {bad} leave no window after {sinks} sinks; each budget must exceed --sinks")
     if not budgets:
-        return {"as trained" if linearized else "full attention": model}
+        if not linearized:
+            return {"full attention": model}
+        lin = model.linearize_config
+        return {f"as trained (sinks {lin.sinks}, window {lin.window})" if lin.window else "as trained (no window)":
+                model}
     if window_only:
         return {f"window only, budget {b} (sinks {sinks}, window {b - sinks})":
                 linjax.linearize(model, linjax.LinearizeConfig(mechanism="window", sinks=sinks, window=b - sinks))

@@ -109,16 +109,32 @@ def _lm_eval(config, run_dir):
     local = ec.lm_eval_data_dir or data_dir()
     if local is None:
         return _skipped("no local benchmark files (set eval.lm_eval_data_dir, or LINJAX_DATA_DIR)")
-    return lm_eval_bridge.run(run_dir, tasks=list(ec.lm_eval_tasks), data_dir=local, limit=ec.lm_eval_limit,
-                              out_dir=os.path.join(run_dir, "lm_eval"))
+    models = {"linearized, trained": (run_dir, "lm_eval")}
+    if ec.compare:
+        models = {"original": (config.model.source, "lm_eval_original"), **models}
+    results = {name: lm_eval_bridge.run(spec, tasks=list(ec.lm_eval_tasks), data_dir=local, limit=ec.lm_eval_limit,
+                                        out_dir=os.path.join(run_dir, folder))
+               for name, (spec, folder) in models.items()}
+    return {"limit": ec.lm_eval_limit, "tasks": list(ec.lm_eval_tasks), "models": results}
 
 
 def _ruler(config, run_dir):
     from linjax.eval import ruler
 
-    ec = config.eval
-    return ruler.run(run_dir, tasks=list(ec.ruler_tasks), lengths=list(ec.ruler_lengths),
-                     samples=ec.ruler_samples, out=os.path.join(run_dir, "ruler.json"))
+    ec, lin = config.eval, config.linearize
+    common = dict(tasks=list(ec.ruler_tasks), lengths=list(ec.ruler_lengths), samples=ec.ruler_samples)
+    budgets = list(ec.ruler_budgets) or None
+    runs = {"linearized, trained": dict(model_spec=run_dir, budgets=budgets, sinks=lin.sinks, out="ruler.json")}
+    if ec.compare:
+        runs["original"] = dict(model_spec=config.model.source, out="ruler_original.json")
+        if lin.window:  # the same cache budgets, softmax over sinks + window only
+            runs["window only"] = dict(model_spec=config.model.source, window_only=True, sinks=lin.sinks,
+                                       budgets=budgets or [lin.sinks + lin.window], out="ruler_window_only.json")
+    results = {}
+    for name, kwargs in runs.items():
+        kwargs["out"] = os.path.join(run_dir, kwargs["out"])
+        results[name] = ruler.run(**kwargs, **common)
+    return {"models": {name: {"results": r["results"], "out": runs[name]["out"]} for name, r in results.items()}}
 
 
 def _report(config, run_dir):

@@ -10,7 +10,7 @@ TEXT = ("Linear attention keeps a state of fixed size. Softmax attention keeps e
         "The window holds the recent tokens exactly, and the sinks hold the first ones. ") * 30
 
 
-def _experiment(tmp_path, source, evaluations=("perplexity", "approx")):
+def _experiment(tmp_path, source, evaluations=("perplexity", "approx"), extra=""):
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT)
     config = tmp_path / "run.toml"
@@ -21,7 +21,7 @@ def _experiment(tmp_path, source, evaluations=("perplexity", "approx")):
                       '[train]\nsteps = 4\nseq_len = 32\nbatch_size = 1\nwarmup_steps = 1\ncheckpoint_every = 2\n'
                       f'[eval]\nrun = {json.dumps(list(evaluations))}\nperplexity_data = "{data}"\n'
                       'perplexity_seq_len = 32\nperplexity_windows = 2\n'
-                      f'approx_data = "{data}"\napprox_num_seqs = 2\napprox_seq_len = 32\n')
+                      f'approx_data = "{data}"\napprox_num_seqs = 2\napprox_seq_len = 32\n' + extra)
     return config
 
 
@@ -61,3 +61,31 @@ def test_run_writes_a_report_and_a_restart_skips_finished_stages(tiny_source, tm
 
     again = subprocess.run(_command(config), cwd=tmp_path, capture_output=True, text=True, check=False)
     assert again.returncode == 0 and again.stdout.count("already done, skipped") == 5
+
+
+PIQA = [{"goal": "To dry wet shoes,", "sol1": "stuff them with newspaper.", "sol2": "fill them with water."},
+        {"goal": "To open a jar,", "sol1": "twist the lid.", "sol2": "paint the lid."}]
+
+
+def test_lm_eval_and_ruler_stages_compare_with_the_original_and_the_window_baseline(tiny_source, tmp_path):
+    benchmarks = tmp_path / "benchmarks"
+    (benchmarks / "piqa").mkdir(parents=True)
+    (benchmarks / "piqa" / "valid.jsonl").write_text("".join(json.dumps(d) + "\n" for d in PIQA))
+    (benchmarks / "piqa" / "valid-labels.lst").write_text("0\n0\n")
+    extra = (f'lm_eval_data_dir = "{benchmarks}"\nlm_eval_tasks = ["piqa"]\nlm_eval_limit = 2\n'
+             'ruler_tasks = ["niah_single_1"]\nruler_lengths = [120]\nruler_samples = 1\n')
+    config = _experiment(tmp_path, tiny_source, ("lm_eval", "ruler"), extra)
+    result = subprocess.run(_command(config), cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    lm_eval = json.loads((run_dir / "stages" / "lm_eval.json").read_text())
+    assert set(lm_eval["models"]) == {"original", "linearized, trained"}
+    for summary in lm_eval["models"].values():
+        assert 0 <= summary["results"]["piqa"]["acc,none"] <= 1 and summary["n-samples"]["piqa"]["effective"] == 2
+    ruler = json.loads((run_dir / "stages" / "ruler.json").read_text())
+    assert set(ruler["models"]) == {"linearized, trained", "original", "window only"}
+    assert [r["variant"] for r in ruler["models"]["window only"]["results"]] == [
+        "window only, budget 10 (sinks 2, window 8)"]
+    report = (run_dir / "report.md").read_text()
+    assert "| task | metric | original | linearized, trained |" in report and "| piqa | acc |" in report
+    assert "| niah_single_1 | 120 | window only | window only, budget 10 (sinks 2, window 8) |" in report

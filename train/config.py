@@ -104,9 +104,13 @@ class EvalSection:
     ruler_tasks: tuple[str, ...] = ("niah_single_1", "niah_single_2", "niah_single_3")
     ruler_lengths: tuple[int, ...] = (1024,)
     ruler_samples: int = 5
+    ruler_budgets: tuple[int, ...] = ()  # cache budgets (sinks + window) to read the model at; (): as trained
+    # Also evaluate the original model (lm-eval, S-NIAH) and the window-only baseline at the same
+    # cache budget (S-NIAH), so the report compares the linearized model with both.
+    compare: bool = True
 
     def __post_init__(self):
-        for name in ("run", "lm_eval_tasks", "ruler_tasks", "ruler_lengths"):
+        for name in ("run", "lm_eval_tasks", "ruler_tasks", "ruler_lengths", "ruler_budgets"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         unknown = sorted(set(self.run) - set(EVALUATIONS))
         if unknown:
