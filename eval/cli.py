@@ -3,8 +3,8 @@
     linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N] [--out F.json]
     linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
     linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
-    linjax eval ruler MODEL --tasks niah_single_1,... --lengths 1024,2048 --samples N [--budgets 128,512 [--window-only]]
-        --out F.json
+    linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
+        [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
     linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] --out DIR
 
@@ -138,9 +138,13 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (diagnostics.json, PNG plots)")
     p.set_defaults(func=_diagnostics)
 
-    p = evals.add_parser("ruler", help="RULER single-needle retrieval (S-NIAH 1/2/3), greedy, string match")
+    p = evals.add_parser("ruler", help="RULER's synthetic tasks (S-NIAH 1/2/3, multi-key/value/query, variable "
+                                       "tracking, common/frequent words), greedy, string match")
     p.add_argument("model")
-    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3")
+    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3",
+                   help="comma-separated, from: niah_single_1, niah_single_2, niah_single_3 (S-NIAH), multikey, "
+                        "multikey_2, multikey_3 (MK), multivalue (MV), multiquery (MQ), vt (VT), cwe (CWE, about "
+                        "700 tokens or more), fwe (FWE)")
     p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens")
     p.add_argument("--samples", type=int, default=20, help="samples per task and length")
     p.add_argument("--budgets", default="", help="cache budgets (sinks + window) for a linearized model, e.g. 128,512")
@@ -148,7 +152,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--window-only", action="store_true",
                    help="MODEL is full attention: evaluate it as sinks + window softmax alone at each budget "
                         "(the baseline with no linear state)")
-    p.add_argument("--haystack", help="haystack text for niah_single_2/3 (default: RULER's Paul Graham essays)")
+    p.add_argument("--haystack", help="haystack text for niah_single_2/3, multikey, multivalue and multiquery "
+                                      "(default: RULER's Paul Graham essays)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")
     p.set_defaults(func=_ruler)

@@ -1,14 +1,16 @@
-"""S-NIAH generators: the needle once at its depth, the requested length, and string-match scoring."""
+"""RULER generators: needles, chains and word lists as intended, the requested length, string-match scoring."""
 
+import collections
 import json
+import re
 
 import numpy as np
 import pytest
 from flax import nnx
+from linjax.eval import ruler
 
 import linjax
 from linjax.cli import main
-from linjax.eval import ruler
 from linjax.linearize import with_budget
 
 
@@ -23,7 +25,7 @@ def haystack(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("task", ruler.TASKS)
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_single_3"])
 @pytest.mark.parametrize("length", [256, 1024])
 def test_needle_once_at_its_depth_and_the_prompt_fits(task, length, tokenizer, haystack):
     generator = ruler.Generator(tokenizer, haystack)
@@ -50,10 +52,106 @@ def test_scoring():
 
 def test_bad_requests_are_clear_errors(tokenizer):
     generator = ruler.Generator(tokenizer, None)
-    with pytest.raises(ValueError, match="unknown task"):
+    with pytest.raises(ValueError, match="unknown task 'niah_double'; choose from niah_single_1, .*, vt, cwe, fwe"):
         generator.sample("niah_double", 512, np.random.default_rng(0))
     with pytest.raises(ValueError, match="cannot hold"):
         generator.sample("niah_single_1", 20, np.random.default_rng(0))
+    for task, length in [("vt", 200), ("cwe", 512), ("fwe", 200), ("multikey_3", 60)]:
+        with pytest.raises(ValueError, match=f"{length} tokens cannot hold even the smallest {task} prompt"):
+            generator.sample(task, length, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="depth= places the needle of niah_single"):
+        generator.sample("multikey", 512, np.random.default_rng(0), depth=0.5)
+    with pytest.raises(ValueError, match="unknown RULER task.*multi_key"):
+        ruler.run("no-such-model", tasks=["vt", "multi_key"], lengths=[512], samples=1, out="unused.json")
+
+
+EXTENDED = ["multikey", "multikey_2", "multikey_3", "multivalue", "multiquery", "vt", "cwe", "fwe"]
+NEEDLE = re.compile(r"^One of the special magic (numbers|uuids) for (\S+) is: (\S+)\.$")
+
+
+@pytest.mark.parametrize("task", EXTENDED)
+@pytest.mark.parametrize("size", ["short", "long"])
+def test_extended_tasks(task, size, tokenizer, haystack):
+    """Each task at two lengths (cwe: both of RULER's settings): the prompt fits, what was inserted is there
+    as intended, and the answer key scores 1 while a partial answer scores less."""
+    length = {"short": 512, "long": 1024}[size] if task != "cwe" else {"short": 1024, "long": 4096}[size]
+    s = ruler.Generator(tokenizer, haystack).sample(task, length, np.random.default_rng(7))
+    tokens = len(tokenizer(s.prompt, add_special_tokens=False)["input_ids"])
+    # multikey_2/3 grow by whole distractor lines, so may fall short by one line.
+    slack = max(0.02 * length, 2 + len(tokenizer(s.needle)["input_ids"]) if task in ("multikey_2", "multikey_3") else 0)
+    assert length - slack <= tokens <= length, (tokens, length)
+    assert s.max_new_tokens == ruler.NEW_TOKENS[task]
+    assert ruler.score(" and ".join(s.answers), s.answers) == 1.0
+    assert ruler.score(" and ".join(s.answers[1:]) + " 0000000 ZZZZZ", s.answers) < 1.0
+    assert len(set(s.answers)) == len(s.answers)
+    question = s.prompt[s.prompt.rindex("\n"):]
+    if task in ("vt", "cwe", "fwe"):
+        return {"vt": _check_vt, "cwe": _check_cwe, "fwe": _check_fwe}[task](s, length, question)
+
+    # Needle tasks: each needle once, in order of depth; each value once in the whole prompt.
+    positions = [s.prompt.index(n) for n in s.needles]
+    assert all(s.prompt.count(n) == 1 for n in s.needles) and positions == sorted(positions)
+    assert list(s.depths) == sorted(s.depths)
+    assert all(s.prompt.count(a) == 1 for a in s.answers)
+    parsed = [NEEDLE.match(n).groups() for n in s.needles]
+    keys = [key for _, key, _ in parsed]
+    value_of = {value: key for _, key, value in parsed}
+    asked = [value_of[a] for a in s.answers]
+    if task == "multivalue":
+        assert len(s.needles) == 4 and len(set(keys)) == 1 and set(value_of) == set(s.answers)
+        assert f"What are all the special magic numbers for {keys[0]} mentioned" in question
+    elif task == "multiquery":
+        assert len(s.needles) == 4 and len(set(keys)) == 4 and len(s.answers) == 4
+        assert f"numbers for {asked[0]}, {asked[1]}, {asked[2]}, and {asked[3]} mentioned" in question
+    else:
+        assert len(s.answers) == 1 and f"What is the special magic {parsed[0][0][:-1]} for {asked[0]} mentioned" in question
+        assert len(s.needles) == (4 if task == "multikey" else 1) and len(set(keys)) == len(keys)
+    if task in ("multikey_2", "multikey_3"):  # the haystack is made of needles with other keys
+        lines = s.prompt[s.prompt.index("afterwards.\n") + 12:s.prompt.rindex("\nWhat is")].split("\n")
+        others = [NEEDLE.match(line).group(2) for line in lines if line != s.needle]
+        assert len(others) == len(lines) - 1 >= 3 and asked[0] not in others
+        if task == "multikey_3":
+            assert all(len(k) == 36 and k.count("-") == 4 for k in others + asked + list(s.answers))
+
+
+def _check_vt(s, length, question):
+    value = s.needles[0].split(" = ")[1]
+    assert s.needles == (f"VAR {s.answers[0]} = {value}",) + tuple(
+        f"VAR {b} = VAR {a}" for a, b in zip(s.answers, s.answers[1:]))
+    assert all(len(name) == 5 and name.isupper() for name in s.answers) and len(value) == 5
+    task = s.prompt[s.prompt.rindex("Memorize and track"):]  # after the worked example
+    lines = task.split("\n")
+    at = [lines.index(statement) for statement in s.needles]  # each a line of its own, hop by hop
+    assert at == sorted(at) and all(lines.count(statement) == 1 for statement in s.needles)
+    assert all(s.prompt.count(name) == (1 if i == 4 else 2) for i, name in enumerate(s.answers))
+    assert question.endswith(f"5 variables are assigned the value {value}, they are: ")
+    assert "they are: " in s.prompt[:s.prompt.rindex("Memorize and track")]  # the example shows an answer
+
+
+def _check_cwe(s, length, question):
+    listed = s.prompt[s.prompt.rindex("most often.\n") + 12:s.prompt.rindex("\nQuestion:")]
+    assert listed == " ".join(f"{i + 1}. {w}" for i, w in enumerate(s.words))
+    counts = collections.Counter(s.words)
+    often, rarely = (30, 3) if length >= 4096 else (6, 1)
+    assert len(s.answers) == 10 and all(counts[a] == often for a in s.answers)
+    assert {c for w, c in counts.items() if w not in s.answers} == {rarely} and len(counts) > 20
+    assert question.endswith("The top 10 words that appear most often in the list are:")
+
+
+def _check_fwe(s, length, question):
+    assert s.prompt.count(" ".join(s.words)) == 1
+    ranked = collections.Counter(s.words).most_common()
+    assert ranked[0][0] == "..." and tuple(w for w, _ in ranked[1:4]) == s.answers
+    assert ranked[3][1] > ranked[4][1] > 0  # the third answer beats every other word
+    assert all(len(a) == 6 and a.isalpha() for a in s.answers)
+
+
+def test_cwe_words_do_not_contain_one_another():
+    from linjax.eval.ruler_words import WORDS
+
+    assert len(set(WORDS)) == len(WORDS) > 1000
+    joined = " ".join(WORDS)
+    assert all(joined.count(w) == 1 for w in WORDS)  # no word inside another
 
 
 def test_with_budget_changes_the_window_not_the_parameters():
@@ -87,6 +185,16 @@ def test_cli_on_a_tiny_model(tiny_source, haystack, tmp_path):
     assert (tmp_path / "ruler.md").exists()
 
 
+def test_cli_extended_tasks(tiny_source, haystack, tmp_path):
+    out = tmp_path / "extended.json"
+    main(["eval", "ruler", tiny_source, "--tasks", "multikey,vt", "--lengths", "500", "--samples", "1",
+          "--haystack", haystack, "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["task"], r["length"], r["samples"]) for r in result["results"]] == [("multikey", 500, 1), ("vt", 500, 1)]
+    assert [len(r["answers"]) for r in result["samples"]] == [1, 5]
+    assert "| vt | 500 |" in (tmp_path / "extended.md").read_text()
+
+
 def test_cli_window_only_baseline(tiny_source, haystack, tmp_path):
     out = tmp_path / "window.json"
     main(["eval", "ruler", tiny_source, "--tasks", "niah_single_1", "--lengths", "160", "--samples", "2",
@@ -98,8 +206,9 @@ def test_cli_window_only_baseline(tiny_source, haystack, tmp_path):
 
 
 def test_budget_variants_and_their_errors():
-    from linjax.config import tiny_config
     from linjax.eval.ruler import budget_variants
+
+    from linjax.config import tiny_config
     from linjax.linearize import mixer_names
     from linjax.model import CausalLM
 
