@@ -31,9 +31,8 @@ a thousand words in eval/ruler_words.py, reaches about 16K tokens with SmolLM2's
 Templates, answer prefixes, generation lengths and the haystacks follow NVIDIA/RULER (scripts/data/synthetic/
 niah.py, variable_tracking.py, common_words_extraction.py, freq_words_extraction.py, constants.py and
 scripts/synthetic.yaml), with these differences: the length counts the prompt alone (RULER's includes the
-tokens to generate); niah_single_* generate 24 (48 for UUIDs) tokens rather than 128 and keep the plural
-question of their first release, where RULER asks in the singular when one value is asked, as multikey* do
-here; vt's worked example has 3 noise lines (RULER's fills 500 tokens); the words are lists of our own, so
+tokens to generate); niah_single_* generate 24 (48 for UUIDs) tokens rather than 128 (the answer
+prefix ends right before the value, which needs at most 25 tokens); vt's worked example has 3 noise lines (RULER's fills 500 tokens); the words are lists of our own, so
 cwe draws from about a thousand words (RULER: wonderwords' lists, then a larger English list).
 """
 
@@ -159,9 +158,9 @@ def _needle(kind: str, key: str, value: str) -> str:
     return f"One of the special magic {kind} for {key} is: {value}."
 
 
-def _niah_prompt(context: str, kind: str, query: str, answers: int, plural: bool = False) -> str:
-    """RULER's question; in the singular when one value is asked (unless `plural`, niah_single_*'s form)."""
-    if answers == 1 and not plural:
+def _niah_prompt(context: str, kind: str, query: str, answers: int) -> str:
+    """RULER's question; in the singular when one value is asked."""
+    if answers == 1:
         one = kind[:-1]  # "number", "uuid"
         return ONE_TEMPLATE.format(kind=one, context=context, key=query) + ONE_ANSWER_PREFIX.format(kind=one, key=query)
     return TEMPLATE.format(kind=kind, context=context, key=query) + ANSWER_PREFIX.format(kind=kind, key=query)
@@ -278,7 +277,7 @@ class Generator:
         needle = _needle(kind, key, value)
         depth = float(rng.choice(DEPTHS)) if depth is None else depth
         build = lambda n: _niah_prompt(_insert_in_text(self._text_words(task, n), [needle], [depth]),
-                                       kind, key, 1, plural=True)
+                                       kind, key, 1)
         return Sample(task, build(self._fit(build, length, task)), (value,), NEW_TOKENS[task], (needle,), (depth,))
 
     def _multi(self, task, length, rng) -> Sample:

@@ -36,7 +36,7 @@ def test_needle_once_at_its_depth_and_the_prompt_fits(task, length, tokenizer, h
         assert abs(tokens - length) <= 0.02 * length, (tokens, length)
         assert s.prompt.count(s.needle) == 1 and s.prompt.count(s.answers[0]) == 1
         start = s.prompt.index("afterwards.\n") + len("afterwards.\n")
-        end = s.prompt.index("\nWhat are all the special magic")
+        end = s.prompt.index("\nWhat is the special magic")
         where = (s.prompt.index(s.needle, start) - start) / (end - start - len(s.needle))
         assert abs(where - depth) < 0.06, (where, depth)
     value = s.answers[0]
