@@ -7,6 +7,7 @@
     linjax train CONFIG.toml [--set section.key=value ...] [--resume]
     linjax eval perplexity|... MODEL ...   (see linjax/eval/cli.py)
     linjax run CONFIG.toml                 (the whole pipeline to report.md; restartable)
+    linjax bench latency [--lengths 1024,...,32768] [--out DIR]   (decode latency and memory vs L)
 
 SOURCE is anything `linjax.load` accepts: `smollm2-135m` (the embedded
 default), a `.gguf` file, an HF model directory or hub id, or a linjax
@@ -139,6 +140,12 @@ def _run(args):
     print(f"report → {report}")
 
 
+def _bench_latency(args):
+    from linjax.eval import latency
+
+    latency.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linjax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,8 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     from linjax.eval.cli import add_eval_parser
+    from linjax.eval.latency import add_arguments as add_latency_arguments
 
     add_eval_parser(sub)
+
+    p = sub.add_parser("bench", help="benchmarks that write JSON, a Markdown table and a plot")
+    benches = p.add_subparsers(dest="benchmark", required=True)
+    p = benches.add_parser("latency", help="decode latency and peak memory against prompt length, full attention "
+                                           "vs linearized (the paper's protocol: batch 8, 16 decode steps)")
+    add_latency_arguments(p)
+    p.set_defaults(func=_bench_latency)
     return parser
 
 

@@ -1,0 +1,434 @@
+"""Decode latency and peak memory against context length: full attention with a KV cache vs the linearized model.
+
+The paper's protocol (sec. 3.3, "Latency, Memory, and Approximation Error", and the appendix's
+"Latency and memory"): batch 8; for each prompt length L run a forward pass over the prompt,
+then decode 16 new tokens; report the end-to-end time of those 16 steps and the peak memory of
+the run. Three implementations of the same weights:
+
+    full          linjax, softmax attention over a preallocated KV cache [B, L+16, Hkv, D] per layer
+    linearized    linjax, GDN + window 56 + sinks 8 + short conv (the paper's final recipe; its new
+                  parameters are untrained, which does not change the work per token)
+    transformers  transformers' own model with its DynamicCache: what a user would otherwise run
+
+Only the decode steps are timed, so by default a random stand-in replaces the prefill: the
+decode state of the right shapes with random values and its token counters set to L (a batch-8
+prefill at 32k tokens takes very long on a CPU). `real_prefill=True` runs the real prefill; the
+JSON records which was used. linjax decode steps are jitted with the state donated, so the KV
+cache is updated in place, as a serving loop would.
+
+Every (implementation, L) point runs in a fresh process (latency_point.py, which describes what
+is measured), so its peak memory is its own, and an out-of-memory kill is recorded as "did not
+fit" instead of ending the benchmark. L grows per implementation until a point does not fit; a
+KV-cache point whose cache alone exceeds the available memory is not started.
+
+    python bench/latency.py --lengths 1024,2048 --out bench/results/latency
+    linjax bench latency --lengths 1024,2048,4096,8192,16384,32768 --out results/latency
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+from linjax.eval import latency_point
+from linjax.eval.latency_point import IMPLEMENTATIONS, kv_cache_bytes, write_atomic
+
+KV_CACHE_IMPLEMENTATIONS = ("full", "transformers")  # state grows with L: checked against free memory first
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+BATCH = 8  # the paper's batch
+DECODE_TOKENS = 16  # the paper times 16 new tokens
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_HF_DIRS = {"smollm2-135m": os.path.join("runs", "smollm2-hf")}
+STAND_IN = "random stand-in"
+GIB = 2 ** 30
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def parse_lengths(text) -> list[int]:
+    """'1024,2048' (or a list of ints) → [1024, 2048]; each must be a positive integer."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        lengths = [int(x) for x in items if str(x).strip()]
+    except ValueError:
+        raise ValueError(f"lengths must be comma-separated positive integers like '1024,2048', got {text!r}") from None
+    if not lengths or any(n <= 0 for n in lengths):
+        raise ValueError(f"lengths must be positive integers like '1024,2048', got {text!r}")
+    return lengths
+
+
+def parse_implementations(text) -> list[str]:
+    """'full,linearized' (or a list) → the keys of IMPLEMENTATIONS, in the order given."""
+    names = [x.strip() for x in (text.split(",") if isinstance(text, str) else text) if x.strip()]
+    unknown = [n for n in names if n not in IMPLEMENTATIONS]
+    if unknown or not names:
+        raise ValueError(f"unknown implementation(s) {unknown or names}; choose from {', '.join(IMPLEMENTATIONS)}")
+    return names
+
+
+def available_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def mem_available_bytes() -> int | None:
+    """The kernel's estimate of memory available to a new process (MemAvailable), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ----------------------------------------------------------------------------- one point, in its own process
+
+
+OUT_OF_MEMORY_SIGNS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError", "OutOfMemoryError",
+                       "std::bad_alloc", "Cannot allocate memory")
+
+
+def failed_point(returncode: int, stderr: str) -> dict:
+    """status and reason for a point process that ended without a result."""
+    tail = stderr.strip()[-1500:]
+    if returncode in (-9, 137):
+        return {"status": "did not fit", "reason": "killed by SIGKILL (the kernel's out-of-memory killer)"}
+    if any(sign in stderr for sign in OUT_OF_MEMORY_SIGNS):
+        return {"status": "did not fit", "reason": f"out of memory: {tail.splitlines()[-1] if tail else ''}"}
+    return {"status": "error", "reason": f"exit code {returncode}: {tail}"}
+
+
+def run_point(implementation: str, length: int, *, batch: int, decode_tokens: int, repeats: int, model: str,
+              hf_dir: str | None, real_prefill: bool, seed: int, threads: int | None, timeout_s: float | None,
+              work_dir: str) -> dict:
+    """Runs one point in a fresh Python process; returns its measurements or why there are none."""
+    result_path = os.path.join(work_dir, f".point-{implementation}-{length}.json")
+    if os.path.exists(result_path):
+        os.remove(result_path)  # left by an earlier, interrupted benchmark
+    # Run by file path, not `-m linjax.eval.latency_point`: importing the linjax package would import
+    # JAX into the transformers process and add its memory to that baseline's.
+    command = [sys.executable, latency_point.__file__, "--one", implementation, "--length", str(length),
+               "--batch", str(batch), "--decode-tokens", str(decode_tokens), "--repeats", str(repeats),
+               "--model", model, "--seed", str(seed), "--result", result_path]
+    command += ["--hf-dir", hf_dir] if hf_dir else []
+    command += ["--real-prefill"] if real_prefill else []
+    command += ["--threads", str(threads)] if threads else []
+    # On a GPU, JAX would otherwise reserve 75% of it up front; peak_bytes_in_use is exact either way.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", TRANSFORMERS_VERBOSITY="error")
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": f"no result after {timeout_s} s"}
+    try:
+        with open(result_path) as f:
+            point = json.load(f)
+        os.remove(result_path)
+    except FileNotFoundError:
+        return dict(failed_point(done.returncode, done.stdout or ""), process_s=time.perf_counter() - start)
+    decode_s = statistics.median(point["decode_s_runs"])
+    return dict(point, status="ok", decode_s=decode_s, ms_per_token=1000 * decode_s / decode_tokens,
+                process_s=time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def resolve_hf_dir(model: str, hf_dir: str | None) -> str:
+    """The transformers directory of `model`: `hf_dir`, the model itself if it is one, or a default."""
+    if hf_dir:
+        return hf_dir
+    if os.path.isfile(os.path.join(model, "config.json")) and not os.path.isfile(os.path.join(model, "linjax.json")):
+        return model
+    if model in DEFAULT_HF_DIRS:
+        return DEFAULT_HF_DIRS[model]
+    raise ValueError(f"which transformers directory holds {model!r}? pass --hf-dir DIR (it is exported there "
+                     "with linjax.save_hf if absent)")
+
+
+def ensure_hf_dir(model: str, hf_dir: str, progress=print) -> dict:
+    """The HF config of `hf_dir`, exporting `model` there first (linjax.save_hf) if it has none."""
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        import linjax
+
+        progress(f"exporting {model} to {hf_dir} for transformers (linjax.save_hf)")
+        loaded, tokenizer = linjax.load(model)
+        if loaded.linearize_config is not None:
+            raise ValueError(f"{model} is linearized; the benchmark needs the full-attention model it came from")
+        linjax.save_hf(loaded, hf_dir, tokenizer)
+        del loaded
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def machine_info() -> dict:
+    """What the timings depend on; versions read from package metadata (nothing imported)."""
+    def version(package):
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+            "python": platform.python_version(), "mem_total_bytes": _meminfo_total(),
+            **{p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")}}
+
+
+def _meminfo_total():
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batch: int = BATCH,
+        decode_tokens: int = DECODE_TOKENS, repeats: int = 3, model: str = DEFAULT_MODEL, hf_dir: str | None = None,
+        real_prefill: bool = False, memory_limit_bytes: int | None = None, threads: int | None = None,
+        timeout_s: float | None = None, seed: int = 0, out_dir: str, progress=print) -> dict:
+    """The whole benchmark: every implementation at every length, smallest L first; writes
+    latency.json after every point, then latency.md and latency.png. Returns the JSON's content.
+
+    A KV-cache point whose cache alone needs more than `memory_limit_bytes` (default: the
+    MemAvailable of the moment) is not started; once an implementation has a point that did not
+    complete, its longer lengths are skipped.
+    """
+    implementations, lengths = parse_implementations(implementations), sorted(set(parse_lengths(lengths)))
+    for name, value in (("batch", batch), ("decode_tokens", decode_tokens), ("repeats", repeats)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be ≥ 1, got {value}")
+    if threads is not None and not 1 <= threads <= available_cores():
+        raise ValueError(f"threads must be between 1 and the {available_cores()} available cores, got {threads}")
+    hf_dir = resolve_hf_dir(model, hf_dir)
+    hf_config = ensure_hf_dir(model, hf_dir, progress)
+    os.makedirs(out_dir, exist_ok=True)
+    result = {
+        "machine": machine_info(), "model": model, "hf_dir": os.path.abspath(hf_dir),
+        "protocol": {"batch": batch, "decode_tokens": decode_tokens, "repeats": repeats, "dtype": "float32",
+                     "decoding": "greedy", "threads": threads or available_cores(),
+                     "memory_limit_bytes": memory_limit_bytes or "MemAvailable before each point",
+                     "timed": f"the {decode_tokens} decode steps end to end, median of {repeats} runs after one "
+                              "untimed warm-up run (linjax: compiled before the state exists)",
+                     "ms_per_token": "decode_s / decode_tokens in ms: a step makes one token for every sequence",
+                     "source": "paper sec. 3.3 and appendix 'Latency and memory' (batch 8, 16 new tokens)"},
+        "prefill": "real" if real_prefill else STAND_IN,
+        "prefill_note": ("each point runs the real prefill of L random tokens" if real_prefill else
+                         "no prefill runs: the decode state has the shapes a prefill of L tokens leaves, random "
+                         "values, and its token counters set to L (only the decode steps are timed)"),
+        "implementations": {k: IMPLEMENTATIONS[k] for k in implementations},
+        "lengths": lengths, "points": [],
+    }
+    stopped = {}  # implementation → why its longer lengths are skipped
+    total = len(lengths) * len(implementations)
+    for length in lengths:
+        for impl in implementations:
+            label = f"[{len(result['points']) + 1}/{total}] {IMPLEMENTATIONS[impl]} L={length}"
+            point = {"impl": impl, "name": IMPLEMENTATIONS[impl], "L": length, "prefill": result["prefill"]}
+            needed = kv_cache_bytes(hf_config, batch, length + decode_tokens) if impl in KV_CACHE_IMPLEMENTATIONS else 0
+            available = memory_limit_bytes if memory_limit_bytes is not None else mem_available_bytes()
+            if impl in stopped:
+                point.update(status="skipped", reason=stopped[impl])
+            elif available is not None and needed > available:
+                point.update(status="did not fit", state_bytes=needed,
+                             reason=f"not started: the KV cache alone needs {needed / GIB:.2f} GiB, "
+                                    f"{available / GIB:.2f} GiB available")
+            else:
+                progress(f"{label}: running")
+                point.update(run_point(impl, length, batch=batch, decode_tokens=decode_tokens, repeats=repeats,
+                                       model=model, hf_dir=hf_dir, real_prefill=real_prefill, seed=seed,
+                                       threads=threads, timeout_s=timeout_s, work_dir=out_dir))
+            if point["status"] != "ok":
+                stopped.setdefault(impl, f"L={length} did not complete ({point['status']})")
+            result["points"].append(point)
+            result["summary"] = summarize(result)
+            write_atomic(os.path.join(out_dir, "latency.json"), json.dumps(result, indent=2))
+            progress(f"{label}: {describe(point)}")
+    write_atomic(os.path.join(out_dir, "latency.md"), markdown(result))
+    plot(result, os.path.join(out_dir, "latency.png"))
+    return result
+
+
+def describe(point: dict) -> str:
+    """One progress line's worth of a point."""
+    if point["status"] != "ok":
+        return f"{point['status']} ({point.get('reason', '')})"
+    return (f"{point['decode_s']:.3f} s for the decode steps ({point['ms_per_token']:.1f} ms per step), "
+            f"peak {peak_bytes(point) / GIB:.2f} GiB, state {point['state_bytes'] / 2 ** 20:,.1f} MiB")
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def peak_bytes(point: dict) -> int | None:
+    """The peak to report: the device's where there is one, else the process's resident set."""
+    return point.get("peak_device_bytes", point.get("peak_rss_bytes"))
+
+
+def _ok(result, impl):
+    return {p["L"]: p for p in result["points"] if p["impl"] == impl and p["status"] == "ok"}
+
+
+def summarize(result: dict) -> dict:
+    """Linearized vs each KV-cache implementation at the largest L both finished, and how flat the
+    linearized model's peak memory is from its smallest to its largest L."""
+    summary = {"ratios": []}
+    linear = _ok(result, "linearized")
+    for other in KV_CACHE_IMPLEMENTATIONS:
+        theirs = _ok(result, other)
+        both = sorted(set(linear) & set(theirs))
+        if both:
+            L = both[-1]
+            summary["ratios"].append({
+                "versus": other, "L": L, "speedup": theirs[L]["decode_s"] / linear[L]["decode_s"],
+                "peak_bytes": peak_bytes(theirs[L]), "linearized_peak_bytes": peak_bytes(linear[L])})
+    if len(linear) >= 2:
+        low, high = min(linear), max(linear)
+        change = 100 * (peak_bytes(linear[high]) - peak_bytes(linear[low])) / peak_bytes(linear[low])
+        summary["linearized_memory_change"] = {"from_L": low, "to_L": high, "percent": change,
+                                               "flat_within_10_percent": abs(change) <= 10}
+    return summary
+
+
+def _cell(point, kind):
+    if point is None:
+        return "–"
+    if point["status"] != "ok":
+        return point["status"]
+    if kind == "time":
+        return f"{point['decode_s']:.3f}"
+    return f"{peak_bytes(point) / GIB:.2f} / {point['state_bytes'] / GIB:.2f}"
+
+
+def markdown(result: dict) -> str:
+    """latency.md: the protocol, one row per L, and the summary ratios."""
+    impls, protocol, machine = list(result["implementations"]), result["protocol"], result["machine"]
+    by_key = {(p["impl"], p["L"]): p for p in result["points"]}
+    devices = sorted({p["device"] for p in result["points"] if p.get("device")})
+    memory = ("the device's peak bytes in use" if any("peak_device_bytes" in p for p in result["points"])
+              else "the process's resident-set peak (VmHWM) from just before the state exists")
+    steps = protocol["decode_tokens"]
+    lines = [f"# Decode latency and peak memory: {result['model']}", "",
+             (f"Batch {protocol['batch']}, a prompt of L tokens, then {steps} greedy decode steps timed end to end "
+              f"(median of {protocol['repeats']} after a warm-up), float32, {protocol['threads']} thread(s) per point. "
+              f"Prefill: **{result['prefill']}** ({result['prefill_note']}). Peak memory: {memory}. "
+              f"Machine: {machine['cpu_count']} CPU cores, {', '.join(devices) or 'device not recorded'}; "
+              f"jax {machine['jax']}, torch {machine['torch']}, transformers {machine['transformers']}."), ""]
+    lines += [f"- `{impl}`: {IMPLEMENTATIONS[impl]}" for impl in impls]
+    lines += ["", "Peak: the memory measured; state: the decode state's own size (KV cache or linear state).", ""]
+    header = ["L"]
+    for impl in impls:
+        header += [f"{impl}: {steps} steps (s)", f"{impl}: peak / state (GiB)"]
+    speedups = [o for o in KV_CACHE_IMPLEMENTATIONS if "linearized" in impls and o in impls]
+    header += [f"speed-up over {o}" for o in speedups]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for L in result["lengths"]:
+        row = [f"{L:,}"]
+        for impl in impls:
+            row += [_cell(by_key.get((impl, L)), "time"), _cell(by_key.get((impl, L)), "memory")]
+        for other in speedups:
+            theirs, ours = by_key.get((other, L)), by_key.get(("linearized", L))
+            finished = theirs and ours and theirs["status"] == ours["status"] == "ok"
+            row.append(f"{theirs['decode_s'] / ours['decode_s']:.2f}×" if finished else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    summary = result.get("summary", {})
+    lines.append("")
+    for r in summary.get("ratios", []):
+        lines.append(f"- At L = {r['L']:,}, the largest both finished: linearized decodes {r['speedup']:.2f}× as fast "
+                     f"as `{r['versus']}`, at a peak of {r['linearized_peak_bytes'] / GIB:.2f} GiB against "
+                     f"{r['peak_bytes'] / GIB:.2f} GiB.")
+    change = summary.get("linearized_memory_change")
+    if change:
+        flat = "flat" if change["flat_within_10_percent"] else "not flat"
+        lines.append(f"- Linearized peak memory from L = {change['from_L']:,} to {change['to_L']:,}: "
+                     f"{change['percent']:+.1f}% ({flat} within 10%).")
+    failed = [p for p in result["points"] if p["status"] not in ("ok", "skipped")]
+    lines += [f"- `{p['impl']}` at L = {p['L']:,}: {p['status']} ({p.get('reason', '')})." for p in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """latency.png: decode latency and peak memory against L (log2 axis), one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for impl in result["implementations"]:
+        points = sorted(_ok(result, impl).values(), key=lambda p: p["L"])
+        lengths = [p["L"] for p in points]
+        time_ax.plot(lengths, [p["decode_s"] for p in points], "o-", label=IMPLEMENTATIONS[impl])
+        memory_ax.plot(lengths, [peak_bytes(p) / GIB for p in points], "o-", label=IMPLEMENTATIONS[impl])
+    decode_tokens = result["protocol"]["decode_tokens"]
+    time_ax.set_ylabel(f"{decode_tokens} decode steps (s)")
+    memory_ax.set_ylabel("peak memory (GiB)")
+    for ax in (time_ax, memory_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["lengths"], [f"{L:,}" for L in result["lengths"]])
+        ax.set_xlabel("prompt length L (tokens)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    time_ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']}: batch {result['protocol']['batch']}, prefill: {result['prefill']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `linjax bench latency` and `bench/latency.py` (one definition for both)."""
+    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prompt lengths L")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                        help=f"comma-separated, from: {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is reported)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="anything linjax.load reads (full attention)")
+    parser.add_argument("--hf-dir", help="its transformers directory (default: runs/smollm2-hf for smollm2-135m, "
+                                         "or --model if it is one); exported there if absent")
+    parser.add_argument("--real-prefill", action="store_true",
+                        help="run the real prefill instead of the random stand-in (slow on a CPU at large L)")
+    parser.add_argument("--memory-limit-gb", type=float,
+                        help="do not start a KV-cache point whose cache exceeds this many GiB (default: the host's "
+                             "MemAvailable at that moment; on a GPU, pass its memory)")
+    parser.add_argument("--threads", type=int, help="cores for each point's process, torch and XLA alike "
+                                                   "(default: all; 1 keeps a busy machine from thrashing)")
+    parser.add_argument("--timeout-s", type=float, help="give up on a point after this long")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join("bench", "results", "latency"),
+                        help="output directory: latency.json, latency.md, latency.png")
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Runs the benchmark from parsed `add_arguments` options and prints the table."""
+    limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * GIB)
+    result = run(implementations=args.implementations, lengths=args.lengths, batch=args.batch,
+                 decode_tokens=args.decode_tokens, repeats=args.repeats, model=args.model, hf_dir=args.hf_dir,
+                 real_prefill=args.real_prefill, memory_limit_bytes=limit, threads=args.threads,
+                 timeout_s=args.timeout_s, seed=args.seed,
+                 out_dir=args.out, progress=lambda line: print(line, flush=True))
+    print("\n" + markdown(result))
+    print(f"→ {os.path.join(args.out, 'latency.json')}, latency.md, latency.png")
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m linjax.eval.latency", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    main(parser.parse_args())
