@@ -16,6 +16,7 @@ Softmax part (GQA as in gla.py: query head h reads kv head h // (H // Hkv)):
     chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None) -> SoftmaxParts
     prefill(q, k, v, cache, *, scale=None, chunk=64) -> (SoftmaxParts, new_cache)
     step(q, k, v, cache, *, scale=None) -> (SoftmaxParts, new_cache)   # q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv]
+    leaving_window(rings, count, *, sinks) -> linear inputs of the token leaving the window (decode)
     empty_cache(batch, kv_heads, key_dim, value_dim, *, sinks, window, dtype) -> WindowCache
     update_cache(cache, k, v) -> WindowCache
 
@@ -145,6 +146,8 @@ def unroll_ring(ring, count):
 def write_ring(ring, x, count):
     """Write x [B,T,...] (positions count .. count+T−1) into ring [B,W,...]: slot r gets the latest p ≡ r mod W."""
     W = ring.shape[1]
+    if x.shape[1] == 1:  # decode: one slot, updated in place when the state is donated
+        return jax.lax.dynamic_update_slice_in_dim(ring, x.astype(ring.dtype), count % W, axis=1)
     latest = jnp.concatenate([unroll_ring(ring, count), x.astype(ring.dtype)], axis=1)[:, -W:]
     return jnp.take(latest, (jnp.arange(W) - (count + x.shape[1])) % W, axis=1)
 
@@ -308,6 +311,18 @@ def shifted_linear_inputs(k, v, *gates, sinks, window, history=None, start=0):
     keep = (source >= sinks).reshape((1, T) + (1,) * (k.ndim - 2))
     shifted[0] = jnp.where(keep, shifted[0], jnp.zeros((), k.dtype))
     return tuple(shifted)
+
+
+def leaving_window(rings, count, *, sinks):
+    """Decode form of `shifted_linear_inputs` for the one token at position `count`: the linear inputs
+    (k', v', *gates) of position count − window, which leaves the window now, read from the rings the
+    mixer keeps with `write_ring` (slot count mod window; zeros before the sequence starts), the key
+    zeroed if that position is a sink. Equals shifted_linear_inputs(..., history=unrolled rings, start=count)
+    with T = 1, without unrolling (copying) every ring at every step. Returns [B, 1, ...] arrays."""
+    window = rings[0].shape[1]
+    entries = [jax.lax.dynamic_slice_in_dim(ring, count % window, 1, axis=1) for ring in rings]
+    entries[0] = jnp.where(count - window >= sinks, entries[0], jnp.zeros((), entries[0].dtype))
+    return tuple(entries)
 
 
 # ------------------------------------------------------------------ Pallas (GPU)

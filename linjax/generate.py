@@ -27,9 +27,10 @@ from flax import nnx
 @functools.lru_cache(maxsize=8)
 def _compiled_forward(graphdef):
     """One jitted (params, tokens, states) → (last logits, states) per model structure, shared by calls,
-    so a second `generate` on the same model and shapes does not compile again."""
+    so a second `generate` on the same model and shapes does not compile again. The states are
+    donated: caches and rings are updated in place instead of copied at every step."""
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(2,))
     def forward(params, chunk, states):
         logits, states = nnx.merge(graphdef, params)(chunk, states=states)
         return logits[:, -1].astype(jnp.float32), states

@@ -140,10 +140,12 @@ class LinearMixer(nnx.Module):
         window_state = shifted_state = None
         linear_inputs = (k, v) + gates
         if self.window:
-            history = None if state is None else tuple(
-                swa.unroll_ring(ring, start) for ring in state.shifted)
-            linear_inputs = swa.shifted_linear_inputs(*linear_inputs, sinks=self.sinks, window=self.window,
-                                                      history=history, start=start)
+            if decode:  # only the token leaving the window enters the state
+                linear_inputs = swa.leaving_window(state.shifted, start, sinks=self.sinks)
+            else:
+                history = None if state is None else tuple(swa.unroll_ring(ring, start) for ring in state.shifted)
+                linear_inputs = swa.shifted_linear_inputs(*linear_inputs, sinks=self.sinks, window=self.window,
+                                                          history=history, start=start)
             if state is not None:
                 shifted_state = tuple(swa.write_ring(ring, xs, start)
                                       for ring, xs in zip(state.shifted, (k, v) + gates))

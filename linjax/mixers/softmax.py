@@ -19,24 +19,40 @@ from linjax.layers import AttentionProjections
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [B, max_length, Hkv, D]
-    v: jax.Array  # [B, max_length, Hkv, D]
+    """Keys and values of every position so far, head-major so decoding reads them without a transpose."""
+
+    k: jax.Array  # [B, Hkv, max_length, D]
+    v: jax.Array  # [B, Hkv, max_length, D]
     length: jax.Array  # [] int32, positions already written
 
 
-def causal_attention(q, k, v, *, key_offset=None, valid_length=None):
-    """Softmax attention, q [B,T,H,D] over k, v [B,S,Hkv,D] with H a multiple of Hkv.
+def causal_attention(q, k, v):
+    """Causal softmax attention, q [B,T,H,D] over k, v [B,T,Hkv,D] with H a multiple of Hkv."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
-    Without offsets, query i attends keys 0..i (S == T). With `key_offset`
-    (queries sit at positions key_offset..key_offset+T-1 of a cache) query i
-    attends cached keys 0..key_offset+i. Softmax statistics are fp32.
+
+def cached_attention(q, cache: KVCache):
+    """Queries q [B,T,H,D] at positions cache.length − T .. cache.length − 1 (their keys already written)
+    over the cache's keys 0 .. own position. fp32 scores and softmax.
+
+    Layout: the cache is [B, Hkv, S, D] and the G = H / Hkv query heads of a kv head and the T queries
+    share one [G·T, D] matrix, so both products are plain batched matmuls over (B, Hkv) that read
+    the cache once, in place. A [B, S, Hkv, D] cache, or an einsum that keeps T as its own axis, made
+    XLA:CPU transpose or re-lay the cache at every decode step.
     """
-    if key_offset is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    query_pos = key_offset + jnp.arange(q.shape[1])
-    key_pos = jnp.arange(k.shape[1])
-    mask = key_pos[None, :] <= query_pos[:, None]  # [T, S]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+    B, T, H, D = q.shape
+    Hkv, S = cache.k.shape[1], cache.k.shape[2]
+    G = H // Hkv
+    q = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D) * D ** -0.5
+    batch_over_heads = ((0, 1), (0, 1))
+    scores = jax.lax.dot_general(q.astype(cache.k.dtype), cache.k, (((3,), (3,)), batch_over_heads),
+                                 preferred_element_type=jnp.float32)  # [B, Hkv, G·T, S]
+    query_pos = cache.length - T + jnp.tile(jnp.arange(T), G)  # row g·T + t holds query t
+    scores = jnp.where(jnp.arange(S)[None, :] <= query_pos[:, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    out = jax.lax.dot_general(p.astype(cache.v.dtype), cache.v, (((3,), (2,)), batch_over_heads),
+                              preferred_element_type=jnp.float32)  # [B, Hkv, G·T, D]
+    return out.reshape(B, Hkv, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def pretrained_attention(proj: AttentionProjections, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -55,16 +71,14 @@ class SoftmaxAttention(nnx.Module):
         self.proj = projections or AttentionProjections(config, dtype=dtype, rngs=rngs)
 
     def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
-        shape = (batch, max_length, self.proj.num_kv_heads, self.proj.head_dim)
+        shape = (batch, self.proj.num_kv_heads, max_length, self.proj.head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: KVCache | None = None):
         if state is None:
             return pretrained_attention(self.proj, x, positions)
         q, k, v = self.proj.qkv(x, positions)
-        start = state.length
-        cache_k = jax.lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype), start, axis=1)
-        cache_v = jax.lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype), start, axis=1)
-        o = causal_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), key_offset=start)
-        new_state = KVCache(cache_k, cache_v, start + x.shape[1])
-        return self.proj.out(o), new_state
+        write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            cache, jnp.swapaxes(new, 1, 2).astype(cache.dtype), state.length, axis=2)
+        state = KVCache(write(state.k, k), write(state.v, v), state.length + x.shape[1])
+        return self.proj.out(cached_attention(q, state).astype(x.dtype)), state

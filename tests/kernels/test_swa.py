@@ -218,6 +218,23 @@ def test_shifted_linear_term_continues_from_ring_history(split):
     assert relative_rms(state, whole_state) <= 1e-5
 
 
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_leaving_window_is_the_one_token_shifted_input(sinks):
+    """Decode: reading the ring slot of position count − window (leaving_window) equals shifted_linear_inputs
+    with T = 1 and the unrolled rings as history, before and after the rings wrap, sinks zeroed."""
+    window, D = 7, 4
+    rng = np.random.default_rng(sinks)
+    rings = [jnp.zeros((B, window, 2, D)), jnp.zeros((B, window, 2, D)), jnp.zeros((B, window, H))]
+    for count in range(3 * window):
+        new = [jnp.asarray(rng.standard_normal((B, 1) + r.shape[2:]), jnp.float32) for r in rings]
+        got = swa.leaving_window(rings, jnp.asarray(count, jnp.int32), sinks=sinks)
+        want = swa.shifted_linear_inputs(*new, sinks=sinks, window=window, start=count,
+                                         history=tuple(swa.unroll_ring(r, count) for r in rings))
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        rings = [swa.write_ring(r, x, count) for r, x in zip(rings, new)]
+
+
 def test_bad_inputs_raise_readable_errors():
     q, k, v = _inputs(0, 10, 2)
     with pytest.raises(ValueError, match="window >= 1"):
