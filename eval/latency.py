@@ -5,7 +5,7 @@ The paper's protocol (sec. 3.3, "Latency, Memory, and Approximation Error", and 
 then decode 16 new tokens; report the end-to-end time of those 16 steps and the peak memory of
 the run. Three implementations of the same weights:
 
-    full          linjax, softmax attention over a preallocated KV cache [B, L+16, Hkv, D] per layer
+    full          linjax, softmax attention over a preallocated KV cache [B, Hkv, L+16, D] per layer
     linearized    linjax, GDN + window 56 + sinks 8 + short conv (the paper's final recipe; its new
                   parameters are untrained, which does not change the work per token)
     transformers  transformers' own model with its DynamicCache: what a user would otherwise run

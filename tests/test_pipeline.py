@@ -89,3 +89,42 @@ def test_lm_eval_and_ruler_stages_compare_with_the_original_and_the_window_basel
     report = (run_dir / "report.md").read_text()
     assert "| task | metric | original | linearized, trained |" in report and "| piqa | acc |" in report
     assert "| niah_single_1 | 120 | window only | window only, budget 10 (sinks 2, window 8) |" in report
+
+
+TORCH_LOGITS = r"""
+import json, sys
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+tokens = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    print(json.dumps({"class": type(model).__name__, "logits": model(tokens).logits.numpy().tolist()}))
+assert "jax" not in sys.modules
+"""
+
+
+def test_export_cli_writes_a_run_directory_that_torch_loads_without_jax(tiny_source, tmp_path):
+    """`linjax export RUN --out DIR` on a finished training run: the PyTorch model gives linjax's logits."""
+    import numpy as np
+
+    import linjax
+
+    config = _experiment(tmp_path, tiny_source, evaluations=())
+    result = subprocess.run([sys.executable, "-m", "linjax.cli", "train", str(config)], cwd=tmp_path,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "exported"
+    result = subprocess.run([sys.executable, "-m", "linjax.cli", "export", str(tmp_path / "run"), "--out", str(out)],
+                            cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "trust_remote_code=True" in result.stdout, result.stderr[-3000:]
+    assert {"config.json", "model.safetensors", "modeling_linjax.py", "tokenizer.json"} <= set(os.listdir(out))
+    tokens = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 6, 300, 2]]
+    check = subprocess.run([sys.executable, "-c", TORCH_LOGITS, str(out), json.dumps(tokens)], cwd=tmp_path,
+                           capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr[-3000:]
+    torch_side = json.loads(check.stdout.strip().splitlines()[-1])
+    model, _ = linjax.load(str(tmp_path / "run"))
+    expected = np.asarray(model(np.asarray(tokens, np.int32)))
+    assert torch_side["class"] == "LinjaxForCausalLM"
+    assert np.abs(np.asarray(torch_side["logits"]) - expected).max() <= 1e-4
