@@ -99,8 +99,9 @@ def _lm_eval_lines(result) -> list[str]:
 
 
 def _ruler_lines(result) -> list[str]:
-    lines = ["## Long context (S-NIAH)", "",
-             "RULER's single-needle tasks, greedy decoding, string match; accuracy over the samples. "
+    lines = ["## Long context (RULER)", "",
+             "RULER's synthetic tasks (niah_single_*: one needle), greedy decoding, string match; accuracy over "
+             "the samples. "
              "\"window only\" is the original model restricted to the same sinks + window softmax with no "
              "linear state: what the linear state adds is the difference between it and the linearized model.", "",
              "| task | length | model | cache | accuracy | samples |", "|---|---|---|---|---|---|"]
@@ -149,7 +150,7 @@ def _summary_lines(stages: dict) -> list[str]:
             if rows:
                 parts.append(f"{name} {sum(row['accuracy'] for row in rows) / len(rows):.2f}")
         if parts:
-            lines.append("- S-NIAH mean accuracy: " + ", ".join(parts) + ".")
+            lines.append("- RULER mean accuracy: " + ", ".join(parts) + ".")
     return (["## Summary", ""] + lines + [""]) if lines else []
 
 
@@ -170,14 +171,16 @@ def write_report(config, run_dir: str, stages: dict) -> str:
                   f"{train['steps']} steps of {tc.batch_size} × {tc.seq_len} packed tokens, objective `{tc.objective}`, "
                   f"only the new parameters trained. Loss {train['first_loss']:.3f} at step 1, "
                   f"{train['mean_loss_last_10']:.3f} averaged over the last {min(10, train['steps'])} steps; "
-                  f"{train['median_tokens_per_s']:.0f} tokens/s (median), {train['seconds'] / 60:.1f} min.", ""]
+                  f"{train['median_tokens_per_s']:.0f} tokens/s (median), {train['seconds'] / 60:.1f} min. "
+                  "Each step's loss is measured on a different batch, so it moves with the kind of text in "
+                  "that batch as much as with training; held-out perplexity below is the comparison.", ""]
         plot = _loss_plot(run_dir)
         if plot:
             lines += [f"![training loss]({plot})", ""]
     sections = (("Perplexity", "perplexity", lambda r: _perplexity_lines(r)),
                 ("Approximation error", "approx", lambda r: _approx_lines(r, run_dir)),
                 ("lm-eval (limited)", "lm_eval", lambda r: _lm_eval_lines(r)),
-                ("Long context (S-NIAH)", "ruler", lambda r: _ruler_lines(r)))
+                ("Long context (RULER)", "ruler", lambda r: _ruler_lines(r)))
     for title, stage, render in sections:
         if stage not in config.eval.run:
             continue
