@@ -1,0 +1,150 @@
+"""Builds results/lm-eval-smollm2.md and results/ruler-smollm2.md from the evaluation JSONs in results/.
+
+    python results/summarize_eval.py
+
+Inputs (each written by a `linjax eval` command, see the tables' captions):
+    lm-eval-smollm2-full/                              the original model, every example of the local sets
+    lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit10/                    original, subsets
+    lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit10/          linearized + trained, same subsets
+    ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}.json
+A missing input leaves its cells as "not run".
+"""
+
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# SmolLM2-135M-Instruct's model card (lighteval, zero-shot; its own prompts, and MMLU as a cloze
+# task, so not the same protocol as lm-eval's 5-shot multiple choice).
+MODEL_CARD = {"hellaswag": "40.9", "piqa": "66.3", "arc_easy": "37.3 (ARC average of Easy and Challenge)",
+              "mmlu": "29.3 (MMLU cloze)", "lambada_openai": "—"}
+# An lm-eval 0-shot run of SmolLM2-135M-Instruct published by a third party
+# (https://huggingface.co/lldois/SmolLM2-135M-Reasoning-SLERP-Champion, "Baseline" column).
+THIRD_PARTY_LM_EVAL = {("arc_easy", "acc"): "54.12", ("hellaswag", "acc_norm"): "42.99",
+                       ("piqa", "acc_norm"): "66.92"}
+TASKS = ("piqa", "arc_easy", "hellaswag", "lambada_openai", "mmlu")
+METRICS = {"piqa": ("acc", "acc_norm"), "arc_easy": ("acc", "acc_norm"), "hellaswag": ("acc", "acc_norm"),
+           "lambada_openai": ("acc", "perplexity"), "mmlu": ("acc",)}
+
+
+def _load(*parts):
+    path = os.path.join(HERE, *parts)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _value(summary, task, metric, percent=True):
+    if not summary or task not in (summary.get("results") or {}):
+        return None
+    value = summary["results"][task].get(f"{metric},none")
+    if value is None:
+        return None
+    return 100 * value if percent and metric != "perplexity" else value
+
+
+def _fmt(value, stderr=None):
+    if value is None:
+        return "not run"
+    return f"{value:.2f}" + (f" ± {stderr:.2f}" if stderr is not None else "")
+
+
+def _merged(*summaries):
+    """One summary with the results of several lm-eval output folders (e.g. four tasks + MMLU)."""
+    merged = {"results": {}, "n-samples": {}, "seconds_per_task": {}}
+    for s in summaries:
+        if s:
+            for key in merged:
+                merged[key].update(s.get(key) or {})
+    return merged if merged["results"] else None
+
+
+def lm_eval_table():
+    full = _load("lm-eval-smollm2-full", "lm_eval_results.json")
+    lines = ["# lm-eval on SmolLM2-135M-Instruct, from the local data files", "",
+             "`linjax eval lm-eval runs/smollm2-hf --tasks piqa,arc_easy,lambada_openai,hellaswag,mmlu "
+             "--data-dir ../shared/data --batch-size 16` (lm-eval 0.4.13, HFLM, float32, CPU). The model is the "
+             "embedded GGUF (Q4_1 weights, dequantized), exported to a transformers directory; MMLU 5-shot, the "
+             "rest 0-shot. HellaSwag's local file differs slightly from lm-eval's preprocessing (see the data "
+             "README), so its acc_norm is close to, not identical with, lm-eval's hub task.", "",
+             "## The original model, every example", "",
+             "| task | examples | metric | this run (%, ± stderr) | lm-eval 0-shot, third party | model card "
+             "(lighteval) |", "|---|---|---|---|---|---|"]
+    for task in TASKS:
+        n = ((full or {}).get("n-samples") or {}).get(task, {}).get("effective", "—") if full else "—"
+        if task == "mmlu" and full and "mmlu" in (full.get("results") or {}):
+            n = sum(v.get("effective", 0) for k, v in full["n-samples"].items() if k.startswith("mmlu_"))
+        for metric in METRICS[task]:
+            value = _value(full, task, metric)
+            stderr = _value(full, task, metric + "_stderr") if metric != "perplexity" else None
+            card = MODEL_CARD.get(task, "—") if metric == METRICS[task][-1] or task == "mmlu" else ""
+            lines.append(f"| {task} | {n} | {metric} | {_fmt(value, stderr)} | "
+                         f"{THIRD_PARTY_LM_EVAL.get((task, metric), '—')} | {card} |")
+    if full:
+        seconds = full.get("seconds_per_task", {})
+        lines += ["", "Time on 2 CPU cores (shared with other jobs): " +
+                  ", ".join(f"{t} {s / 60:.0f} min" for t, s in seconds.items()) + "."]
+
+    original = _merged(_load("lm-eval-smollm2-limit200", "lm_eval_results.json"),
+                       _load("lm-eval-smollm2-mmlu-limit10", "lm_eval_results.json"))
+    trained = _merged(_load("lm-eval-smollm2-gdn-w56-s8-shortconv-limit200", "lm_eval_results.json"),
+                      _load("lm-eval-smollm2-gdn-w56-s8-shortconv-mmlu-limit10", "lm_eval_results.json"))
+    lines += ["", "## Original against linearized + trained, same subsets", "",
+              "The first 200 examples of each task (MMLU: the first 10 of each of the 57 subjects, 5-shot). "
+              "Linearized: GDN + window 56 + sinks 8 + short conv, trained 200 steps × 1,024 tokens "
+              "(`configs/smollm2/gdn-w56-s8-shortconv.toml`), exported with `linjax export` and loaded by "
+              "transformers with `trust_remote_code` (no JAX).", "",
+              "| task | metric | original | linearized, trained |", "|---|---|---|---|"]
+    for task in TASKS:
+        for metric in METRICS[task]:
+            lines.append(f"| {task} | {metric} | {_fmt(_value(original, task, metric))} | "
+                         f"{_fmt(_value(trained, task, metric))} |")
+    return lines
+
+
+def ruler_table():
+    runs = {"full attention": _load("ruler-smollm2", "full-attention.json"),
+            "window only": _load("ruler-smollm2", "window-only.json"),
+            "GDN + w56 + s8 + SC, trained": _load("ruler-smollm2", "gdn-w56-s8-shortconv.json")}
+    rows = [(name, r) for name, run in runs.items() if run for r in run["results"]]
+    samples = sorted({r["samples"] for _, r in rows}) or ["—"]
+    lines = ["# S-NIAH on SmolLM2-135M-Instruct: full attention, window only, linearized", "",
+             "`linjax eval ruler MODEL --lengths 1024,2048,4096 --samples N [--budgets 128,512 [--window-only]]`: "
+             "RULER's single-needle tasks, the needle at one of 40 evenly spaced depths, greedy decoding, "
+             f"string match; {'/'.join(map(str, samples))} samples per cell, the same samples for every model. "
+             "A cache budget b is 8 sinks + a window of b − 8 tokens. \"Window only\" is the original model "
+             "attending to the sinks and the window alone (no linear state); the linearized model was trained "
+             "at 8 + 56 and is read at each budget with the same parameters.", "",
+             "| task | length | full attention | window only, 128 | linearized, 128 | window only, 512 | "
+             "linearized, 512 |", "|---|---|---|---|---|---|---|"]
+    cell = {}
+    for name, r in rows:
+        budget = next((b for b in ("128", "512") if f"budget {b} " in r["variant"]), None)
+        cell[(r["task"], r["length"], name, budget)] = r["accuracy"]
+    keys = sorted({(r["task"], r["length"]) for _, r in rows})
+    for task, length in keys:
+        get = lambda name, budget: cell.get((task, length, name, budget))  # noqa: E731
+        values = [get("full attention", None), get("window only", "128"), get("GDN + w56 + s8 + SC, trained", "128"),
+                  get("window only", "512"), get("GDN + w56 + s8 + SC, trained", "512")]
+        lines.append(f"| {task} | {length} | " + " | ".join("not run" if v is None else f"{v:.2f}" for v in values)
+                     + " |")
+    return lines
+
+
+def _write(name, lines):
+    out = os.path.join(HERE, name)
+    with open(out + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(out + ".tmp", out)
+    print("\n".join(lines) + "\n")
+
+
+def main():
+    _write("lm-eval-smollm2.md", lm_eval_table())
+    _write("ruler-smollm2.md", ruler_table())
+
+
+if __name__ == "__main__":
+    main()
