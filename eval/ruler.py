@@ -58,7 +58,7 @@ def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> 
     for s in tqdm(samples, desc="RULER", disable=not progress):
         ids = tokenizer(s.prompt, add_special_tokens=False)["input_ids"]
         out = generate(model, jnp.asarray([ids], jnp.int32), s.max_new_tokens, prefill_chunk=PREFILL_CHUNK,
-                       cache_length=capacity)
+                       cache_length=capacity, eos_token_id=tokenizer.eos_token_id)
         answer = tokenizer.decode(np.asarray(out[0, len(ids):]).tolist(), skip_special_tokens=True)
         rows.append({"task": s.task, "tokens": len(ids), "depth": s.depth, "answers": list(s.answers),
                      "prediction": answer, "score": score(answer, s.answers)})

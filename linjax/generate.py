@@ -8,8 +8,9 @@ Evaluations decode many prompts of slightly different lengths (S-NIAH prompts
 are within 2% of a target). Every distinct prompt length, and every distinct
 KV-cache size, would be a new XLA compilation of the whole model; `prefill_chunk`
 and `cache_length` make the shapes fixed so one compilation serves them all:
-the prompt's first T mod chunk tokens go through the one-token decode step, the
-rest through prefills of exactly `prefill_chunk` tokens. Splitting a prefill
+the prompt's first T mod chunk tokens go through prefills of descending powers of
+two (at most log2(chunk) calls, each shape compiled once), the rest through
+prefills of exactly `prefill_chunk` tokens. Splitting a prefill
 anywhere gives the same result as one pass (tested for every mixer).
 """
 
@@ -100,9 +101,13 @@ def _prefill(forward, params, tokens, states, chunk: int | None):
     if chunk is None:
         return forward(params, tokens, states)
     head = tokens.shape[1] % chunk
-    logits = None
-    for i in range(head):  # the remainder first, one token at a time: no odd-length compilation
-        logits, states = forward(params, tokens[:, i:i + 1], states)
+    logits, start = None, 0
+    # The remainder first, as pieces of 2^k tokens (its binary digits): a handful of shapes that
+    # every prompt length shares, instead of an odd-length compilation or up to chunk − 1 steps.
+    for bit in reversed(range(head.bit_length())):
+        if head >> bit & 1:
+            logits, states = forward(params, tokens[:, start:start + (1 << bit)], states)
+            start += 1 << bit
     for start in range(head, tokens.shape[1], chunk):
         logits, states = forward(params, tokens[:, start:start + chunk], states)
     return logits, states

@@ -6,7 +6,7 @@ Inputs (each written by a `linjax eval` command, see the tables' captions):
     lm-eval-smollm2-full/                              the original model, every example of the local sets
     lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit10/                    original, subsets
     lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit10/          linearized + trained, same subsets
-    ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}.json
+    ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}*.json
 A missing input leaves its cells as "not run".
 """
 
@@ -105,10 +105,13 @@ def lm_eval_table():
 
 
 def ruler_table():
-    runs = {"full attention": _load("ruler-smollm2", "full-attention.json"),
-            "window only": _load("ruler-smollm2", "window-only.json"),
-            "GDN + w56 + s8 + SC, trained": _load("ruler-smollm2", "gdn-w56-s8-shortconv.json")}
-    rows = [(name, r) for name, run in runs.items() if run for r in run["results"]]
+    # Each model's cells may come from several runs (e.g. full-attention.json + full-attention-niah3-4k.json).
+    prefixes = {"full attention": "full-attention", "window only": "window-only",
+                "GDN + w56 + s8 + SC, trained": "gdn-w56-s8-shortconv"}
+    folder = os.path.join(HERE, "ruler-smollm2")
+    files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    rows = [(name, r) for name, prefix in prefixes.items() for f in files
+            if f.startswith(prefix) and f.endswith(".json") for r in _load("ruler-smollm2", f)["results"]]
     samples = sorted({r["samples"] for _, r in rows}) or ["—"]
     lines = ["# S-NIAH on SmolLM2-135M-Instruct: full attention, window only, linearized", "",
              "`linjax eval ruler MODEL --lengths 1024,2048,4096 --samples N [--budgets 128,512 [--window-only]]`: "

@@ -226,8 +226,8 @@ def test_budget_variants_and_their_errors():
         budget_variants(model, [8], 8)
 
 
-@pytest.mark.parametrize("mechanism", ["softmax", "gdn"])
-def test_fixed_shape_prefill_generates_the_same_tokens(mechanism):
+@pytest.mark.parametrize("mechanism,prompt_len", [("softmax", 37), ("gdn", 37), ("gdn", 47)])
+def test_fixed_shape_prefill_generates_the_same_tokens(mechanism, prompt_len):
     """generate(prefill_chunk=..., cache_length=...) (the S-NIAH path) equals one-shot prefill."""
     from linjax.config import tiny_config
     from linjax.generate import generate
@@ -237,9 +237,9 @@ def test_fixed_shape_prefill_generates_the_same_tokens(mechanism):
     if mechanism != "softmax":
         model = linjax.linearize(model, linjax.LinearizeConfig(mechanism=mechanism, window=6, sinks=2,
                                                                adapter="shortconv"))
-    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, 37)).astype(np.int32)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, prompt_len)).astype(np.int32)
     expected = np.asarray(generate(model, prompt, 8))
     got = np.asarray(generate(model, prompt, 8, prefill_chunk=16, cache_length=64))
     np.testing.assert_array_equal(got, expected)
-    with pytest.raises(ValueError, match="cache_length 40 is too small"):
-        generate(model, prompt, 8, cache_length=40)
+    with pytest.raises(ValueError, match=f"cache_length {prompt_len + 3} is too small"):
+        generate(model, prompt, 8, cache_length=prompt_len + 3)
