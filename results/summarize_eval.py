@@ -3,9 +3,9 @@
     python results/summarize_eval.py
 
 Inputs (each written by a `linjax eval` command, see the tables' captions):
-    lm-eval-smollm2-full/                              the original model, every example of the local sets
-    lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit10/                    original, subsets
-    lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit10/          linearized + trained, same subsets
+    lm-eval-smollm2-full/, lm-eval-smollm2-full-lambada/  the original model, every example of the local sets
+    lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit5/                    original, subsets
+    lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit5/          linearized + trained, same subsets
     ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}*.json
 A missing input leaves its cells as "not run".
 """
@@ -62,7 +62,8 @@ def _merged(*summaries):
 
 
 def lm_eval_table():
-    full = _load("lm-eval-smollm2-full", "lm_eval_results.json")
+    full = _merged(_load("lm-eval-smollm2-full", "lm_eval_results.json"),
+                   _load("lm-eval-smollm2-full-lambada", "lm_eval_results.json"))
     lines = ["# lm-eval on SmolLM2-135M-Instruct, from the local data files", "",
              "`linjax eval lm-eval runs/smollm2-hf --tasks piqa,arc_easy,lambada_openai,hellaswag,mmlu "
              "--data-dir ../shared/data --batch-size 16` (lm-eval 0.4.13, HFLM, float32, CPU). The model is the "
@@ -88,11 +89,11 @@ def lm_eval_table():
                   ", ".join(f"{t} {s / 60:.0f} min" for t, s in seconds.items()) + "."]
 
     original = _merged(_load("lm-eval-smollm2-limit200", "lm_eval_results.json"),
-                       _load("lm-eval-smollm2-mmlu-limit10", "lm_eval_results.json"))
+                       _load("lm-eval-smollm2-mmlu-limit5", "lm_eval_results.json"))
     trained = _merged(_load("lm-eval-smollm2-gdn-w56-s8-shortconv-limit200", "lm_eval_results.json"),
-                      _load("lm-eval-smollm2-gdn-w56-s8-shortconv-mmlu-limit10", "lm_eval_results.json"))
+                      _load("lm-eval-smollm2-gdn-w56-s8-shortconv-mmlu-limit5", "lm_eval_results.json"))
     lines += ["", "## Original against linearized + trained, same subsets", "",
-              "The first 200 examples of each task (MMLU: the first 10 of each of the 57 subjects, 5-shot). "
+              "The first 200 examples of each task (MMLU: the first 5 of each of the 57 subjects, 5-shot). "
               "Linearized: GDN + window 56 + sinks 8 + short conv, trained 200 steps × 1,024 tokens "
               "(`configs/smollm2/gdn-w56-s8-shortconv.toml`), exported with `linjax export` and loaded by "
               "transformers with `trust_remote_code` (no JAX).", "",
@@ -110,28 +111,39 @@ def ruler_table():
                 "GDN + w56 + s8 + SC, trained": "gdn-w56-s8-shortconv"}
     folder = os.path.join(HERE, "ruler-smollm2")
     files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    rows = [(name, r) for name, prefix in prefixes.items() for f in files
-            if f.startswith(prefix) and f.endswith(".json") for r in _load("ruler-smollm2", f)["results"]]
-    samples = sorted({r["samples"] for _, r in rows}) or ["—"]
-    lines = ["# S-NIAH on SmolLM2-135M-Instruct: full attention, window only, linearized", "",
-             "`linjax eval ruler MODEL --lengths 1024,2048,4096 --samples N [--budgets 128,512 [--window-only]]`: "
-             "RULER's single-needle tasks, the needle at one of 40 evenly spaced depths, greedy decoding, "
-             f"string match; {'/'.join(map(str, samples))} samples per cell, the same samples for every model. "
-             "A cache budget b is 8 sinks + a window of b − 8 tokens. \"Window only\" is the original model "
-             "attending to the sinks and the window alone (no linear state); the linearized model was trained "
-             "at 8 + 56 and is read at each budget with the same parameters.", "",
-             "| task | length | full attention | window only, 128 | linearized, 128 | window only, 512 | "
-             "linearized, 512 |", "|---|---|---|---|---|---|---|"]
-    cell = {}
+    runs = [(name, _load("ruler-smollm2", f)) for name, prefix in prefixes.items() for f in files
+            if f.startswith(prefix) and f.endswith(".json")]
+    rows = [(name, r) for name, run in runs for r in run["results"]]
+    # The cache-budget runs may use fewer samples than the full-attention one; every run draws the same
+    # samples in the same order, so full attention is also scored on the budget runs' first n samples.
+    budget_samples = min((r["samples"] for name, r in rows if name != "full attention"), default=None)
+    cell, first_n = {}, {}
     for name, r in rows:
         budget = next((b for b in ("128", "512") if f"budget {b} " in r["variant"]), None)
-        cell[(r["task"], r["length"], name, budget)] = r["accuracy"]
+        cell[(r["task"], r["length"], name, budget)] = (r["accuracy"], r["samples"])
+    for name, run in runs:
+        if name == "full attention" and budget_samples:
+            for task, length in {(d["task"], d["length"]) for d in run["samples"]}:
+                scores = [d["score"] for d in run["samples"] if (d["task"], d["length"]) == (task, length)]
+                first_n[(task, length)] = (sum(scores[:budget_samples]) / budget_samples, budget_samples)
+    full_n = sorted({r["samples"] for name, r in rows if name == "full attention"}) or ["—"]
+    lines = ["# S-NIAH on SmolLM2-135M-Instruct: full attention, window only, linearized", "",
+             "`linjax eval ruler MODEL --lengths 1024,2048,4096 --samples N [--budgets B [--window-only]]`: "
+             "RULER's single-needle tasks, the needle at one of 40 evenly spaced depths, greedy decoding, "
+             f"string match. Full attention: {'/'.join(map(str, full_n))} samples per cell; cache budgets: "
+             f"{budget_samples or '—'} samples, the first {budget_samples or '—'} of the same sequence (full attention on "
+             "those is given too). A cache budget b is 8 sinks + a window of b − 8 tokens. \"Window only\" is the "
+             "original model attending to the sinks and the window alone (no linear state); the linearized model "
+             "(GDN + w56 + s8 + short conv, trained 200 steps) was trained at 8 + 56 and is read at each budget with "
+             "the same parameters.", "",
+             f"| task | length | full attention | full attention, first {budget_samples or '—'} | window only, 128 | "
+             "linearized, 128 | window only, 512 | linearized, 512 |", "|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["task"], r["length"]) for _, r in rows})
     for task, length in keys:
-        get = lambda name, budget: cell.get((task, length, name, budget))  # noqa: E731
-        values = [get("full attention", None), get("window only", "128"), get("GDN + w56 + s8 + SC, trained", "128"),
-                  get("window only", "512"), get("GDN + w56 + s8 + SC, trained", "512")]
-        lines.append(f"| {task} | {length} | " + " | ".join("not run" if v is None else f"{v:.2f}" for v in values)
+        values = [cell.get((task, length, "full attention", None)), first_n.get((task, length))]
+        values += [cell.get((task, length, name, budget)) for budget in ("128", "512")
+                   for name in ("window only", "GDN + w56 + s8 + SC, trained")]
+        lines.append(f"| {task} | {length} | " + " | ".join("not run" if v is None else f"{v[0]:.2f}" for v in values)
                      + " |")
     return lines
 
