@@ -145,6 +145,20 @@ def ruler_table():
                    for name in ("window only", "GDN + w56 + s8 + SC, trained")]
         lines.append(f"| {task} | {length} | " + " | ".join("not run" if v is None else f"{v[0]:.2f}" for v in values)
                      + " |")
+    # Where the hits come from: the needle within the last (budget − sinks) tokens, i.e. still in the window
+    # when the question is read, or out of it (only a linear state could then retrieve it). The position is
+    # estimated as (1 − depth) × prompt tokens, ignoring the few tokens of the question after the haystack.
+    lines += ["", "Hits by the needle's place, all tasks and lengths (position estimated from its depth):", "",
+              "| model | budget | needle inside the window | needle outside it |", "|---|---|---|---|"]
+    for name, run in runs:
+        budgets = run["settings"].get("budgets") or []
+        if name == "full attention" or len(budgets) != 1:
+            continue
+        window = budgets[0] - run["settings"]["sinks"]
+        inside = [d["score"] for d in run["samples"] if (1 - d["depth"]) * d["tokens"] < window]
+        outside = [d["score"] for d in run["samples"] if (1 - d["depth"]) * d["tokens"] >= window]
+        lines.append(f"| {name} | {budgets[0]} | {sum(inside):.0f} / {len(inside)} correct | "
+                     f"{sum(outside):.0f} / {len(outside)} correct |")
     return lines
 
 
