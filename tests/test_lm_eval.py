@@ -126,8 +126,9 @@ def test_smollm2_local_tasks(variant, shared_data, tmp_path):
         pytest.skip(str(err))
     model = "smollm2-135m"
     if variant != "original":
-        from linjax import train
         from linjax.train.config import from_dict
+
+        from linjax import train
 
         model = str(tmp_path / "run")
         train.run(from_dict({"run_dir": model, "model": {"source": "smollm2-135m"},
