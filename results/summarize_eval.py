@@ -3,7 +3,7 @@
     python results/summarize_eval.py
 
 Inputs (each written by a `linjax eval` command, see the tables' captions):
-    lm-eval-smollm2-full/, lm-eval-smollm2-full-lambada/  the original model, every example of the local sets
+    lm-eval-smollm2-full/, -full-lambada/, -full-arc-easy/  the original model, every example of the local sets
     lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit5/                    original, subsets
     lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit5/          linearized + trained, same subsets
     ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}*.json
@@ -63,7 +63,8 @@ def _merged(*summaries):
 
 def lm_eval_table():
     full = _merged(_load("lm-eval-smollm2-full", "lm_eval_results.json"),
-                   _load("lm-eval-smollm2-full-lambada", "lm_eval_results.json"))
+                   _load("lm-eval-smollm2-full-lambada", "lm_eval_results.json"),
+                   _load("lm-eval-smollm2-full-arc-easy", "lm_eval_results.json"))
     lines = ["# lm-eval on SmolLM2-135M-Instruct, from the local data files", "",
              "`linjax eval lm-eval runs/smollm2-hf --tasks piqa,arc_easy,lambada_openai,hellaswag,mmlu "
              "--data-dir ../shared/data --batch-size 16` (lm-eval 0.4.13, HFLM, float32, CPU). The model is the "
