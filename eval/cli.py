@@ -18,13 +18,18 @@ import os
 import time
 
 
-def write_json(path: str, data) -> None:
-    """Atomic JSON write (a crash never leaves half a file)."""
+def write_text(path: str, text: str) -> None:
+    """Atomic text write (a crash never leaves half a file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path: str, data) -> None:
+    """Atomic JSON write."""
+    write_text(path, json.dumps(data, indent=2))
 
 
 def _perplexity(args):

@@ -194,12 +194,9 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
 
 def _write(out_dir: str, summary: dict) -> None:
     """lm_eval_results.json and results.md, atomically."""
-    from linjax.eval.cli import write_json
+    from linjax.eval.cli import write_json, write_text
 
-    os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "lm_eval_results.json"), summary)
-    tmp = os.path.join(out_dir, "results.md.tmp")
-    with open(tmp, "w") as f:
-        f.write(f"# lm-eval: {summary['model']}\n\n{summary['source']}, limit {summary['limit']}, "
-                f"few-shot {summary['num_fewshot']}\n\n{summary['table_markdown']}\n")
-    os.replace(tmp, os.path.join(out_dir, "results.md"))
+    write_text(os.path.join(out_dir, "results.md"),
+               f"# lm-eval: {summary['model']}\n\n{summary['source']}, limit {summary['limit']}, "
+               f"few-shot {summary['num_fewshot']}\n\n{summary['table_markdown']}\n")

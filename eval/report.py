@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from linjax.eval.cli import write_text
+
 
 def _loss_plot(run_dir: str) -> str | None:
     """training_loss.png from metrics.jsonl (raw and a 10-step moving average)."""
@@ -189,7 +191,5 @@ def write_report(config, run_dir: str, stages: dict) -> str:
     timing = [f"{s} {stages[s]['seconds'] / 60:.1f} min" for s in stages if stages.get(s) and "seconds" in stages[s]]
     lines += ["## Time", "", "; ".join(timing) + ".", ""]
     path = os.path.join(run_dir, "report.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
+    write_text(path, "\n".join(lines))
     return path

@@ -132,7 +132,7 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
 
 def _write(out: str, name: str, settings: dict, results: list, details: list) -> dict:
     """The results JSON and a Markdown table beside it (same name, .md), atomically."""
-    from linjax.eval.cli import write_json
+    from linjax.eval.cli import write_json, write_text
 
     table = ["| task | length | cache | accuracy | samples |", "|---|---|---|---|---|"]
     table += [f"| {r['task']} | {r['length']} | {r['variant']} | {r['accuracy']:.2f} | {r['samples']} |"
@@ -140,8 +140,5 @@ def _write(out: str, name: str, settings: dict, results: list, details: list) ->
     result = {"model": name, "settings": settings, "results": results, "table_markdown": "\n".join(table),
               "samples": details}
     write_json(out, result)
-    markdown = os.path.splitext(out)[0] + ".md"
-    with open(markdown + ".tmp", "w") as f:
-        f.write(f"# RULER: {name}\n\n" + result["table_markdown"] + "\n")
-    os.replace(markdown + ".tmp", markdown)
+    write_text(os.path.splitext(out)[0] + ".md", f"# RULER: {name}\n\n" + result["table_markdown"] + "\n")
     return result

@@ -101,13 +101,12 @@ def _prefill(forward, params, tokens, states, chunk: int | None):
     if chunk is None:
         return forward(params, tokens, states)
     head = tokens.shape[1] % chunk
-    logits, start = None, 0
     # The remainder first, as pieces of 2^k tokens (its binary digits): a handful of shapes that
     # every prompt length shares, instead of an odd-length compilation or up to chunk − 1 steps.
-    for bit in reversed(range(head.bit_length())):
-        if head >> bit & 1:
-            logits, states = forward(params, tokens[:, start:start + (1 << bit)], states)
-            start += 1 << bit
-    for start in range(head, tokens.shape[1], chunk):
-        logits, states = forward(params, tokens[:, start:start + chunk], states)
+    pieces = [1 << bit for bit in reversed(range(head.bit_length())) if head >> bit & 1]
+    pieces += [chunk] * (tokens.shape[1] // chunk)
+    logits, start = None, 0
+    for size in pieces:
+        logits, states = forward(params, tokens[:, start:start + size], states)
+        start += size
     return logits, states

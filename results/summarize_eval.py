@@ -13,6 +13,8 @@ A missing input leaves its cells as "not run".
 import json
 import os
 
+from linjax.eval.cli import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # SmolLM2-135M-Instruct's model card (lighteval, zero-shot; its own prompts, and MMLU as a cloze
@@ -86,7 +88,7 @@ def lm_eval_table():
                          f"{THIRD_PARTY_LM_EVAL.get((task, metric), '—')} | {card} |")
     if full:
         seconds = full.get("seconds_per_task", {})
-        lines += ["", "Time on 2 CPU cores (shared with other jobs): " +
+        lines += ["", "Time on 2 CPU cores (PIQA and LAMBADA shared them with other jobs): " +
                   ", ".join(f"{t} {s / 60:.0f} min" for t, s in seconds.items()) + "."]
 
     original = _merged(_load("lm-eval-smollm2-limit200", "lm_eval_results.json"),
@@ -164,10 +166,7 @@ def ruler_table():
 
 
 def _write(name, lines):
-    out = os.path.join(HERE, name)
-    with open(out + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(out + ".tmp", out)
+    write_text(os.path.join(HERE, name), "\n".join(lines) + "\n")
     print("\n".join(lines) + "\n")
 
 

@@ -11,6 +11,8 @@ import os
 import shutil
 import statistics
 
+from linjax.eval.cli import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RUNS = {"gdn-w56-s8-shortconv": "GDN + window 56 + sinks 8 + short conv", "gla": "GLA (pure)", "gdn": "GDN (pure)"}
@@ -51,10 +53,7 @@ def main():
         speed = statistics.median(r["tokens_per_s"] for r in records[1:])
         lines.append(f"| {title} | {len(records)} steps | {fmt(before)} | {fmt(after)} | {first:.3f} | {last:.3f} | "
                      f"{speed:.0f} |")
-    out = os.path.join(HERE, "training-smollm2.md")
-    with open(out + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(out + ".tmp", out)
+    write_text(os.path.join(HERE, "training-smollm2.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
