@@ -6,7 +6,7 @@
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
-    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] --out DIR
+    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] --out DIR [--resume]
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -103,7 +103,8 @@ def _lm_eval(args):
     from linjax.eval import lm_eval_bridge
 
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
-                                num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=args.out)
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=args.out,
+                                share_prefixes=not args.no_shared_prefixes, resume=args.resume)
     print(result["table_markdown"])
     print(f"→ {os.path.join(args.out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
 
@@ -179,6 +180,13 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--data-dir", help="local benchmark files (the data folder's layout); default: lm-eval's hub tasks")
     p.add_argument("--limit", type=float, default=None, help="documents per task (per MMLU subject); <1: a fraction")
     p.add_argument("--num-fewshot", type=int, default=None, help="default: 5 for mmlu, 0 for the rest")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per forward pass of lm-eval's HFLM (with --no-shared-prefixes, and for requests longer "
+                        "than the model's context)")
     p.add_argument("--out", required=True, help="output directory (lm_eval_results.json, results.md)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the tasks a killed or earlier run with the same settings finished in --out")
+    p.add_argument("--no-shared-prefixes", action="store_true",
+                   help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
+                        "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")
     p.set_defaults(func=_lm_eval)

@@ -5,7 +5,11 @@
 The model: an exported Hugging Face directory (has config.json; a linearized linjax export
 loads with trust_remote_code=True), or anything `linjax.eval.models.load_model` accepts
 (smollm2-135m, a checkpoint, a training run directory, ...), exported on the fly with
-`linjax.save_hf` into a temporary directory. lm-eval's HFLM scores it on the CPU in float32.
+`linjax.save_hf` into a temporary directory. It is scored in float32 (on CUDA when torch sees
+a GPU) by `SharedPrefixHFLM` (eval/shared_prefix_lm.py): lm-eval's HFLM with each shared
+context prefix computed once, the same log-likelihoods in a fraction of the tokens (MMLU
+5-shot 5.5× faster on CPU); `share_prefixes=False` uses HFLM as it is. Results are written
+after every task; `resume=True` keeps the tasks an interrupted run finished.
 
 Tasks (user names): piqa, arc_easy, arc_challenge, hellaswag, winogrande (0-shot),
 mmlu (5-shot), lambada_openai (0-shot; perplexity and acc); also one MMLU subject,
@@ -139,10 +143,18 @@ def _jsonable(x):
 
 
 def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | float | None = None,
-        num_fewshot: int | None = None, batch_size: int = 8, out_dir: str) -> dict:
-    """Evaluates a model on user-named tasks; writes lm_eval_results.json and results.md to out_dir."""
+        num_fewshot: int | None = None, batch_size: int = 8, out_dir: str, share_prefixes: bool = True,
+        resume: bool = False) -> dict:
+    """Evaluates a model on user-named tasks; writes lm_eval_results.json and results.md to out_dir.
+
+    share_prefixes: score through `SharedPrefixHFLM` (each shared context prefix computed once; the same
+    log-likelihoods as lm-eval's HFLM, which `share_prefixes=False` uses, in far fewer tokens).
+    resume: keep the tasks an earlier run with the same model and settings finished in out_dir.
+    """
     import lm_eval
     from lm_eval.models.huggingface import HFLM
+
+    from linjax.eval.shared_prefix_lm import SharedPrefixHFLM
 
     if isinstance(limit, float) and limit >= 1 and limit.is_integer():
         limit = int(limit)
@@ -156,6 +168,14 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     manager = task_manager(data_dir)
     results, groups, n_samples, configs, versions, seconds = {}, {}, {}, {}, {}, {}
     start = time.perf_counter()
+    if resume:
+        earlier = _finished_earlier(out_dir, model_spec, data_dir, limit, shots_of)
+        for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
+                            ("configs", configs), ("versions", versions)):
+            target.update(earlier.get(key, {}))  # written only once a task finished: all of it is kept
+        seconds.update({t: s for t, s in earlier.get("seconds_per_task", {}).items() if t in tasks})
+        if seconds:
+            print(f"resuming {out_dir}: {len(seconds)} of {len(tasks)} tasks already finished", flush=True)
 
     def summary() -> dict:
         done = [t for t in tasks if t in seconds]
@@ -174,9 +194,12 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         return out
 
     with hf_directory(model_spec) as directory:
-        lm = HFLM(pretrained=directory, trust_remote_code=True, device="cpu", dtype="float32",
-                  batch_size=batch_size)
+        lm_class = SharedPrefixHFLM if share_prefixes else HFLM
+        lm = lm_class(pretrained=directory, trust_remote_code=True, device=_device(), dtype="float32",
+                      batch_size=batch_size)
         for t in tasks:
+            if t in seconds:
+                continue
             t0 = time.perf_counter()
             out = lm_eval.simple_evaluate(model=lm, tasks=[names[t]], num_fewshot=shots_of[t],
                                           limit=limit, task_manager=manager, log_samples=False,
@@ -190,6 +213,29 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
                     target[_user_name(name)] = value
             _write(out_dir, summary())  # after every task: a long run killed halfway keeps what finished
     return summary()
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: dict) -> dict:
+    """The summary an earlier run left in out_dir ({} if none); refused if it was run with other settings."""
+    path = os.path.join(out_dir, "lm_eval_results.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = json.load(f)
+    theirs = (earlier.get("model"), earlier.get("data_dir"), earlier.get("limit"))
+    ours = (model_spec, os.path.abspath(data_dir) if data_dir else None, limit)
+    shots = {t: n for t, n in earlier.get("num_fewshot", {}).items() if t in shots_of}
+    if theirs != ours or any(shots_of[t] != n for t, n in shots.items()):
+        raise ValueError(f"{path} holds a run of model {theirs[0]!r}, data {theirs[1]!r}, limit {theirs[2]!r}, "
+                         f"few-shot {earlier.get('num_fewshot')}; this one is {ours[0]!r}, {ours[1]!r}, {ours[2]!r}, "
+                         f"{shots_of}. Resume with the same settings, or write to another --out")
+    return earlier
 
 
 def _write(out_dir: str, summary: dict) -> None:

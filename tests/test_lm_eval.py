@@ -146,3 +146,67 @@ def test_smollm2_local_tasks(variant, shared_data, tmp_path):
         assert result["n-samples"][task]["effective"] == 3
     # A trained 135M model, not a random one (a uniform guess over 49,152 tokens scores ~49,152).
     assert 1 < r["lambada_openai"]["perplexity,none"] < 2000
+
+
+@pytest.fixture(scope="module")
+def tiny_linearized(tmp_path_factory, tokenizer):
+    """A tiny LLaMA linearized with GDN + window 8 + 2 sinks + short conv (contexts cross into the linear state)."""
+    from flax import nnx
+
+    import linjax
+    from linjax.config import tiny_config
+    from linjax.model import CausalLM
+
+    base = CausalLM(tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                max_position_embeddings=96), rngs=nnx.Rngs(1))
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=8, sinks=2, adapter="shortconv"))
+    return linjax.save_hf(model, str(tmp_path_factory.mktemp("tiny-gdn") / "model"), tokenizer)
+
+
+def _prefix_sharing_requests(vocab: int, max_length: int):
+    """Contexts that share prefixes of several lengths (one a prefix of another, one repeated with other
+    continuations), single- and multi-token continuations, and one request longer than the model takes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = lambda n: [int(t) for t in rng.integers(1, vocab, n)]  # noqa: E731
+    shots = tokens(40)  # a few-shot prefix
+    question = tokens(6)
+    contexts = [shots + question, shots + question[:3] + tokens(5), shots[:20], tokens(30), shots + question]
+    contexts += [shots + tokens(8) for _ in range(4)]  # as MMLU: one prefix, then different questions
+    requests = [(("", ""), ctx, cont) for ctx in contexts for cont in (tokens(1), tokens(3), tokens(1), tokens(5))]
+    requests.append((("", ""), tokens(max_length), tokens(4)))  # HFLM truncates it from the left
+    return requests
+
+
+@pytest.mark.parametrize("which", ["plain", "linearized"])
+def test_shared_prefixes_give_hflm_loglikelihoods(which, tiny_source, tiny_linearized):
+    """SharedPrefixHFLM scores every request as lm-eval's HFLM does (sum of log-probs within 1e-4, the same
+    greedy flags), for the standard architecture and for an exported linearized model with its LinjaxCache."""
+    from lm_eval.models.huggingface import HFLM
+
+    from linjax.eval.shared_prefix_lm import SharedPrefixHFLM
+
+    directory = tiny_source if which == "plain" else tiny_linearized
+    lm = SharedPrefixHFLM(pretrained=directory, trust_remote_code=True, device="cpu", dtype="float32",
+                          batch_size=4, max_length=96)
+    requests = _prefix_sharing_requests(lm.tokenizer.vocab_size, lm.max_length)
+    shared = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    reference = HFLM._loglikelihood_tokens(lm, requests, disable_tqdm=True)
+    assert len(shared) == len(reference) == len(requests)
+    for i, ((ours, our_greedy), (theirs, their_greedy)) in enumerate(zip(shared, reference)):
+        assert abs(ours - theirs) <= 1e-4 * max(1.0, abs(theirs)), (i, ours, theirs)
+        assert our_greedy == their_greedy, i
+    assert len({round(s, 3) for s, _ in shared}) > len(requests) // 2  # distinct scores: not all one value
+
+
+def test_resume_keeps_finished_tasks_and_refuses_other_settings(tiny_source, shared_data, tmp_path):
+    out = str(tmp_path / "out")
+    first = lm_eval_bridge.run(tiny_source, tasks=["piqa"], data_dir=shared_data, limit=2, out_dir=out)
+    result = lm_eval_bridge.run(tiny_source, tasks=["piqa", "arc_easy"], data_dir=shared_data, limit=2,
+                                out_dir=out, resume=True)
+    assert result["results"]["piqa"] == first["results"]["piqa"]
+    assert result["seconds_per_task"]["piqa"] == first["seconds_per_task"]["piqa"]  # not run again
+    assert result["finished_tasks"] == ["piqa", "arc_easy"] and "arc_easy" in result["results"]
+    with pytest.raises(ValueError, match="same settings"):
+        lm_eval_bridge.run(tiny_source, tasks=["piqa"], data_dir=shared_data, limit=3, out_dir=out, resume=True)
