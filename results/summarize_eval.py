@@ -3,7 +3,9 @@
     python results/summarize_eval.py
 
 Inputs (each written by a `linjax eval` command, see the tables' captions):
-    lm-eval-smollm2-full/, -full-lambada/, -full-arc-easy/  the original model, every example of the local sets
+    lm-eval-smollm2-full/, -full-lambada/, -full-arc-easy/, -full-hellaswag/  the original model, every example
+    lm-eval-smollm2-full-mmlu/  the same, MMLU run as its 57 subjects (resumable); aggregated here as lm-eval
+                                aggregates its mmlu group (size-weighted mean, pooled stderr)
     lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit5/                    original, subsets
     lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit5/          linearized + trained, same subsets
     ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}*.json
@@ -63,10 +65,46 @@ def _merged(*summaries):
     return merged if merged["results"] else None
 
 
+def _mmlu_categories() -> dict:
+    """{subject task: category} from the shipped task files' tags (linjax_mmlu_<category>_tasks)."""
+    folder = os.path.join(HERE, "..", "eval", "lm_eval_tasks")
+    categories = {}
+    for name in os.listdir(folder):
+        if name.startswith("linjax_mmlu_") and name.endswith(".yaml"):
+            with open(os.path.join(folder, name)) as f:
+                tag = next((line.split(":", 1)[1].strip() for line in f if line.startswith("tag:")), None)
+            if tag:
+                categories[name[len("linjax_"):-len(".yaml")]] = tag[len("linjax_mmlu_"):-len("_tasks")]
+    return categories
+
+
+def with_mmlu_aggregate(summary):
+    """Adds mmlu (and mmlu_<category>) to a summary whose MMLU was run subject by subject, the way lm-eval
+    aggregates its mmlu group: acc is the mean over questions, its stderr the pooled subject stderrs.
+    Only when all 57 subjects finished; otherwise the summary is returned unchanged."""
+    from lm_eval.api.metrics import aggregate_subtask_metrics, pooled_sample_stderr
+
+    if not summary or "mmlu" in summary["results"]:
+        return summary
+    categories = _mmlu_categories()
+    subjects = [t for t in categories if t in summary["results"]]
+    if len(subjects) != len(categories):
+        return summary
+    for group, members in [("mmlu", subjects)] + [
+            (f"mmlu_{c}", [t for t in subjects if categories[t] == c]) for c in sorted(set(categories.values()))]:
+        sizes = [summary["n-samples"][t]["effective"] for t in members]
+        accs = [summary["results"][t]["acc,none"] for t in members]
+        summary["results"][group] = {
+            "acc,none": aggregate_subtask_metrics(accs, sizes),
+            "acc_stderr,none": pooled_sample_stderr([summary["results"][t]["acc_stderr,none"] for t in members], sizes)}
+        summary["n-samples"][group] = {"effective": sum(sizes)}
+    summary["seconds_per_task"]["mmlu"] = sum(summary["seconds_per_task"].pop(t) for t in subjects)
+    return summary
+
+
 def lm_eval_table():
-    full = _merged(_load("lm-eval-smollm2-full", "lm_eval_results.json"),
-                   _load("lm-eval-smollm2-full-lambada", "lm_eval_results.json"),
-                   _load("lm-eval-smollm2-full-arc-easy", "lm_eval_results.json"))
+    full = with_mmlu_aggregate(_merged(*(_load(f"lm-eval-smollm2-full{part}", "lm_eval_results.json")
+                                         for part in ("", "-lambada", "-arc-easy", "-hellaswag", "-mmlu"))))
     lines = ["# lm-eval on SmolLM2-135M-Instruct, from the local data files", "",
              "`linjax eval lm-eval runs/smollm2-hf --tasks piqa,arc_easy,lambada_openai,hellaswag,mmlu "
              "--data-dir ../shared/data --batch-size 16` (lm-eval 0.4.13, HFLM, float32, CPU). The model is the "
@@ -78,8 +116,6 @@ def lm_eval_table():
              "(lighteval) |", "|---|---|---|---|---|---|"]
     for task in TASKS:
         n = ((full or {}).get("n-samples") or {}).get(task, {}).get("effective", "—") if full else "—"
-        if task == "mmlu" and full and "mmlu" in (full.get("results") or {}):
-            n = sum(v.get("effective", 0) for k, v in full["n-samples"].items() if k.startswith("mmlu_"))
         for metric in METRICS[task]:
             value = _value(full, task, metric)
             stderr = _value(full, task, metric + "_stderr") if metric != "perplexity" else None

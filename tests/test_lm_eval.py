@@ -179,8 +179,8 @@ def _prefix_sharing_requests(vocab: int, max_length: int):
     return requests
 
 
-@pytest.mark.parametrize("which", ["plain", "linearized"])
-def test_shared_prefixes_give_hflm_loglikelihoods(which, tiny_source, tiny_linearized):
+@pytest.mark.parametrize("which,min_shared", [("plain", 16), ("plain", 1), ("linearized", 16), ("linearized", 1)])
+def test_shared_prefixes_give_hflm_loglikelihoods(which, min_shared, tiny_source, tiny_linearized):
     """SharedPrefixHFLM scores every request as lm-eval's HFLM does (sum of log-probs within 1e-4, the same
     greedy flags), for the standard architecture and for an exported linearized model with its LinjaxCache."""
     from lm_eval.models.huggingface import HFLM
@@ -190,6 +190,7 @@ def test_shared_prefixes_give_hflm_loglikelihoods(which, tiny_source, tiny_linea
     directory = tiny_source if which == "plain" else tiny_linearized
     lm = SharedPrefixHFLM(pretrained=directory, trust_remote_code=True, device="cpu", dtype="float32",
                           batch_size=4, max_length=96)
+    lm.min_shared_tokens = min_shared  # 1: a snapshot wherever two neighbouring contexts share a token
     requests = _prefix_sharing_requests(lm.tokenizer.vocab_size, lm.max_length)
     shared = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     reference = HFLM._loglikelihood_tokens(lm, requests, disable_tqdm=True)
