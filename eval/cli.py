@@ -185,7 +185,8 @@ def add_eval_parser(sub) -> None:
                         "than the model's context)")
     p.add_argument("--out", required=True, help="output directory (lm_eval_results.json, results.md)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the tasks a killed or earlier run with the same settings finished in --out")
+                   help="go on from a killed or earlier run with the same settings in --out: its finished tasks "
+                        "and the requests it had scored are kept")
     p.add_argument("--no-shared-prefixes", action="store_true",
                    help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
                         "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")

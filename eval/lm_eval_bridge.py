@@ -37,6 +37,7 @@ lm-eval's). ARC fields and WinoGrande's partial scoring are as lm-eval's.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -149,7 +150,8 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
 
     share_prefixes: score through `SharedPrefixHFLM` (each shared context prefix computed once; the same
     log-likelihoods as lm-eval's HFLM, which `share_prefixes=False` uses, in far fewer tokens).
-    resume: keep the tasks an earlier run with the same model and settings finished in out_dir.
+    resume: keep what an earlier run with the same model and settings did in out_dir: its finished
+    tasks, and the requests it scored of the task it was killed in (the model files must be unchanged).
     """
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -193,6 +195,14 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         out["table_markdown"] = table_markdown(out["results"], done)
         return out
 
+    # Every scored request goes into lm-eval's request cache (sqlite, committed as it is written), so a
+    # run killed inside a long task resumes at the request it had reached. Keyed by the request text
+    # only: it belongs to this out_dir's model and settings, which _finished_earlier checks.
+    requests_db = os.path.join(out_dir, "lm_eval_requests")  # lm-eval's CachingLM adds _rank<N>.db
+    if not resume:
+        for path in glob.glob(requests_db + "_rank*.db"):
+            os.remove(path)
+    _write(out_dir, summary())  # the settings before any work, for a later --resume to check
     with hf_directory(model_spec) as directory:
         lm_class = SharedPrefixHFLM if share_prefixes else HFLM
         lm = lm_class(pretrained=directory, trust_remote_code=True, device=_device(), dtype="float32",
@@ -201,10 +211,16 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
             if t in seconds:
                 continue
             t0 = time.perf_counter()
-            out = lm_eval.simple_evaluate(model=lm, tasks=[names[t]], num_fewshot=shots_of[t],
-                                          limit=limit, task_manager=manager, log_samples=False,
-                                          bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
-                                          torch_random_seed=0, fewshot_random_seed=0)
+            try:
+                out = lm_eval.simple_evaluate(model=lm, tasks=[names[t]], num_fewshot=shots_of[t],
+                                              limit=limit, task_manager=manager, log_samples=False,
+                                              bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
+                                              torch_random_seed=0, fewshot_random_seed=0,
+                                              use_cache=requests_db)
+            finally:  # each call opens its own connection to the request cache
+                database = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
+                if database is not None:
+                    database.close()
             seconds[t] = time.perf_counter() - t0
             print(f"lm-eval {t}: {seconds[t]:.1f} s", flush=True)
             for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
@@ -212,6 +228,8 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
                 for name, value in (out.get(key) or {}).items():
                     target[_user_name(name)] = value
             _write(out_dir, summary())  # after every task: a long run killed halfway keeps what finished
+    for path in glob.glob(requests_db + "_rank*.db"):  # every task finished: nothing left to resume
+        os.remove(path)
     return summary()
 
 

@@ -211,3 +211,33 @@ def test_resume_keeps_finished_tasks_and_refuses_other_settings(tiny_source, sha
     assert result["finished_tasks"] == ["piqa", "arc_easy"] and "arc_easy" in result["results"]
     with pytest.raises(ValueError, match="same settings"):
         lm_eval_bridge.run(tiny_source, tasks=["piqa"], data_dir=shared_data, limit=3, out_dir=out, resume=True)
+
+
+def test_resume_inside_a_task_rescores_only_what_was_not_scored(tiny_source, shared_data, tmp_path, monkeypatch):
+    """A run killed halfway through a task keeps the requests it scored (lm-eval's sqlite request cache);
+    --resume scores only the rest and gets the uninterrupted run's numbers."""
+    from linjax.eval.shared_prefix_lm import SharedPrefixHFLM
+
+    reference = lm_eval_bridge.run(tiny_source, tasks=["arc_easy"], data_dir=shared_data, limit=6,
+                                   out_dir=str(tmp_path / "reference"))
+    assert not [f for f in os.listdir(tmp_path / "reference") if f.endswith(".db")]  # finished: cache removed
+    score = SharedPrefixHFLM._score_continuations
+    calls = []
+
+    def killed_after_three(self, *args):
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return score(self, *args)
+
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(SharedPrefixHFLM, "_score_continuations", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        lm_eval_bridge.run(tiny_source, tasks=["arc_easy"], data_dir=shared_data, limit=6, out_dir=out)
+    calls.clear()
+    monkeypatch.setattr(SharedPrefixHFLM, "_score_continuations",
+                        lambda self, *args: calls.append(1) or score(self, *args))
+    result = lm_eval_bridge.run(tiny_source, tasks=["arc_easy"], data_dir=shared_data, limit=6, out_dir=out,
+                                resume=True)
+    assert len(calls) == 3  # 6 questions, 3 scored before the kill
+    assert result["results"]["arc_easy"] == reference["results"]["arc_easy"]
