@@ -81,15 +81,17 @@ def _mmlu_categories() -> dict:
 def with_mmlu_aggregate(summary):
     """Adds mmlu (and mmlu_<category>) to a summary whose MMLU was run subject by subject, the way lm-eval
     aggregates its mmlu group: acc is the mean over questions, its stderr the pooled subject stderrs.
-    Only when all 57 subjects finished; otherwise the summary is returned unchanged."""
+    While subjects are missing, the figure covers those that finished and is marked partial."""
     from lm_eval.api.metrics import aggregate_subtask_metrics, pooled_sample_stderr
 
     if not summary or "mmlu" in summary["results"]:
         return summary
     categories = _mmlu_categories()
     subjects = [t for t in categories if t in summary["results"]]
-    if len(subjects) != len(categories):
+    if not subjects:
         return summary
+    if len(subjects) != len(categories):
+        summary["partial"] = {"mmlu": f"partial: {len(subjects)} of {len(categories)} subjects"}
     for group, members in [("mmlu", subjects)] + [
             (f"mmlu_{c}", [t for t in subjects if categories[t] == c]) for c in sorted(set(categories.values()))]:
         sizes = [summary["n-samples"][t]["effective"] for t in members]
@@ -106,16 +108,20 @@ def lm_eval_table():
     full = with_mmlu_aggregate(_merged(*(_load(f"lm-eval-smollm2-full{part}", "lm_eval_results.json")
                                          for part in ("", "-lambada", "-arc-easy", "-hellaswag", "-mmlu"))))
     lines = ["# lm-eval on SmolLM2-135M-Instruct, from the local data files", "",
-             "`linjax eval lm-eval runs/smollm2-hf --tasks piqa,arc_easy,lambada_openai,hellaswag,mmlu "
-             "--data-dir ../shared/data --batch-size 16` (lm-eval 0.4.13, HFLM, float32, CPU). The model is the "
-             "embedded GGUF (Q4_1 weights, dequantized), exported to a transformers directory; MMLU 5-shot, the "
-             "rest 0-shot. HellaSwag's local file differs slightly from lm-eval's preprocessing (see the data "
-             "README), so its acc_norm is close to, not identical with, lm-eval's hub task.", "",
+             "`linjax eval lm-eval runs/smollm2-hf --tasks TASKS --data-dir ../shared/data --out DIR` (lm-eval "
+             "0.4.13, float32, CPU). PIQA, ARC-Easy and LAMBADA were scored by lm-eval's HFLM (batch 16 or 32), "
+             "HellaSwag and MMLU by linjax's SharedPrefixHFLM (the same log-likelihoods, each shared context "
+             "prefix computed once; MMLU run as its 57 subjects and aggregated as lm-eval aggregates its group). "
+             "The model is the embedded GGUF (Q4_1 weights, dequantized), exported to a transformers directory; "
+             "MMLU 5-shot, the rest 0-shot. HellaSwag's local file differs slightly from lm-eval's preprocessing "
+             "(see the data README), so its acc_norm is close to, not identical with, lm-eval's hub task.", "",
              "## The original model, every example", "",
              "| task | examples | metric | this run (%, ± stderr) | lm-eval 0-shot, third party | model card "
              "(lighteval) |", "|---|---|---|---|---|---|"]
     for task in TASKS:
         n = ((full or {}).get("n-samples") or {}).get(task, {}).get("effective", "—") if full else "—"
+        if full and task in full.get("partial", {}):
+            n = f"{n} ({full['partial'][task]})"
         for metric in METRICS[task]:
             value = _value(full, task, metric)
             stderr = _value(full, task, metric + "_stderr") if metric != "perplexity" else None
@@ -124,7 +130,7 @@ def lm_eval_table():
                          f"{THIRD_PARTY_LM_EVAL.get((task, metric), '—')} | {card} |")
     if full:
         seconds = full.get("seconds_per_task", {})
-        lines += ["", "Time on 2 CPU cores (PIQA and LAMBADA shared them with other jobs): " +
+        lines += ["", "Time, one process per task on a 2-core CPU (PIQA and LAMBADA shared it with other jobs): " +
                   ", ".join(f"{t} {s / 60:.0f} min" for t, s in seconds.items()) + "."]
 
     original = _merged(_load("lm-eval-smollm2-limit200", "lm_eval_results.json"),

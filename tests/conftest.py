@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 # The suite compiles many small XLA programs on 2 CPU cores: cheap compilation
 # matters more than fast code here (tolerances are unaffected). Not
 # --xla_backend_optimization_level=0: with it, compilation hung now and then.
 os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true")
-# Many tests (and the xdist workers and the subprocesses they start: training kill/resume,
-# export, pipeline) compile the same programs; JAX's persistent cache keys on the program,
-# so each is compiled once per machine. Set in the environment so subprocesses inherit it.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "linjax-tests-jax-cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import numpy as np
 import pytest
