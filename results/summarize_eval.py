@@ -4,8 +4,8 @@
 
 Inputs (each written by a `linjax eval` command, see the tables' captions):
     lm-eval-smollm2-full/, -full-lambada/, -full-arc-easy/, -full-hellaswag/  the original model, every example
-    lm-eval-smollm2-full-mmlu/  the same, MMLU run as its 57 subjects (resumable); aggregated here as lm-eval
-                                aggregates its mmlu group (size-weighted mean, pooled stderr)
+    lm-eval-smollm2-full-mmlu/, -mmlu-2/  the same, MMLU as its 57 subjects (two processes, one per core),
+                                          aggregated as lm-eval aggregates its group (weighted mean, pooled stderr)
     lm-eval-smollm2-limit200/, lm-eval-smollm2-mmlu-limit5/                    original, subsets
     lm-eval-smollm2-gdn-w56-s8-shortconv-limit200/, ...-mmlu-limit5/          linearized + trained, same subsets
     ruler-smollm2/{full-attention,window-only,gdn-w56-s8-shortconv}*.json
@@ -106,7 +106,7 @@ def with_mmlu_aggregate(summary):
 
 def lm_eval_table():
     full = with_mmlu_aggregate(_merged(*(_load(f"lm-eval-smollm2-full{part}", "lm_eval_results.json")
-                                         for part in ("", "-lambada", "-arc-easy", "-hellaswag", "-mmlu"))))
+                                         for part in ("", "-lambada", "-arc-easy", "-hellaswag", "-mmlu", "-mmlu-2"))))
     lines = ["# lm-eval on SmolLM2-135M-Instruct, from the local data files", "",
              "`linjax eval lm-eval runs/smollm2-hf --tasks TASKS --data-dir ../shared/data --out DIR` (lm-eval "
              "0.4.13, float32, CPU). PIQA, ARC-Easy and LAMBADA were scored by lm-eval's HFLM (batch 16 or 32), "
