@@ -175,9 +175,9 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
                             ("configs", configs), ("versions", versions)):
             target.update(earlier.get(key, {}))  # written only once a task finished: all of it is kept
-        seconds.update({t: s for t, s in earlier.get("seconds_per_task", {}).items() if t in tasks})
-        if seconds:
-            print(f"resuming {out_dir}: {len(seconds)} of {len(tasks)} tasks already finished", flush=True)
+        seconds.update(earlier.get("seconds_per_task", {}))  # tasks of theirs not asked for now stay too
+        finished = [t for t in tasks if t in seconds]
+        print(f"resuming {out_dir}: {len(finished)} of {len(tasks)} tasks already finished", flush=True)
 
     def summary() -> dict:
         done = [t for t in tasks if t in seconds]

@@ -100,7 +100,9 @@ def with_mmlu_aggregate(summary):
             "acc,none": aggregate_subtask_metrics(accs, sizes),
             "acc_stderr,none": pooled_sample_stderr([summary["results"][t]["acc_stderr,none"] for t in members], sizes)}
         summary["n-samples"][group] = {"effective": sum(sizes)}
-    summary["seconds_per_task"]["mmlu"] = sum(summary["seconds_per_task"].pop(t) for t in subjects)
+    timed = [summary["seconds_per_task"].pop(t) for t in subjects if t in summary["seconds_per_task"]]
+    if len(timed) == len(subjects):  # (a resumed run with another task list kept no time for the earlier ones)
+        summary["seconds_per_task"]["mmlu"] = sum(timed)
     return summary
 
 
@@ -128,6 +130,11 @@ def lm_eval_table():
             card = MODEL_CARD.get(task, "—") if metric == METRICS[task][-1] or task == "mmlu" else ""
             lines.append(f"| {task} | {n} | {metric} | {_fmt(value, stderr)} | "
                          f"{THIRD_PARTY_LM_EVAL.get((task, metric), '—')} | {card} |")
+    for category in ("stem", "humanities", "social_sciences", "other"):  # lm-eval's MMLU groups
+        group = f"mmlu_{category}"
+        if full and group in full["results"] and "partial" not in full:
+            lines.append(f"| mmlu: {category.replace('_', ' ')} | {full['n-samples'][group]['effective']} | acc | "
+                         f"{_fmt(_value(full, group, 'acc'), _value(full, group, 'acc_stderr'))} | — | |")
     if full:
         seconds = full.get("seconds_per_task", {})
         lines += ["", "Time, one process per task on a 2-core CPU (PIQA and LAMBADA shared it with other jobs): " +

@@ -209,6 +209,9 @@ def test_resume_keeps_finished_tasks_and_refuses_other_settings(tiny_source, sha
     assert result["results"]["piqa"] == first["results"]["piqa"]
     assert result["seconds_per_task"]["piqa"] == first["seconds_per_task"]["piqa"]  # not run again
     assert result["finished_tasks"] == ["piqa", "arc_easy"] and "arc_easy" in result["results"]
+    again = lm_eval_bridge.run(tiny_source, tasks=["arc_easy"], data_dir=shared_data, limit=2, out_dir=out,
+                               resume=True)  # another task list: what the others finished stays
+    assert again["seconds_per_task"] == result["seconds_per_task"] and again["results"] == result["results"]
     with pytest.raises(ValueError, match="same settings"):
         lm_eval_bridge.run(tiny_source, tasks=["piqa"], data_dir=shared_data, limit=3, out_dir=out, resume=True)
 
