@@ -145,7 +145,7 @@ def lm_eval_table():
     trained = _merged(_load("lm-eval-smollm2-gdn-w56-s8-shortconv-limit200", "lm_eval_results.json"),
                       _load("lm-eval-smollm2-gdn-w56-s8-shortconv-mmlu-limit5", "lm_eval_results.json"))
     lines += ["", "## Original against linearized + trained, same subsets", "",
-              "The first 200 examples of each task (MMLU was not run on subsets: its 5-shot prompts took over 5 minutes per batch of 16 on one CPU core). "
+              "The first 200 examples of each task; for MMLU (5-shot) the first 5 questions of each of the 57 subjects. "
               "Linearized: GDN + window 56 + sinks 8 + short conv, trained 200 steps × 1,024 tokens "
               "(`configs/smollm2/gdn-w56-s8-shortconv.toml`), exported with `linjax export` and loaded by "
               "transformers with `trust_remote_code` (no JAX).", "",
