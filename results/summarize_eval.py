@@ -138,7 +138,10 @@ def lm_eval_table():
     if full:
         seconds = full.get("seconds_per_task", {})
         lines += ["", "Time, one process per task on a 2-core CPU (PIQA and LAMBADA shared it with other jobs): " +
-                  ", ".join(f"{t} {s / 60:.0f} min" for t, s in seconds.items()) + "."]
+                  ", ".join(f"{t} {s / 60:.0f} min" for t, s in seconds.items()) + ". "
+                  "HellaSwag was stopped after 15,350 of its 40,168 requests (about 50 min) and finished with "
+                  "`--resume`, which reused them from its request cache: its time above is the second part only. "
+                  "MMLU took about 2.2 hours of one core (two processes of 57 subjects between them)."]
 
     original = _merged(_load("lm-eval-smollm2-limit200", "lm_eval_results.json"),
                        _load("lm-eval-smollm2-mmlu-limit5", "lm_eval_results.json"))
