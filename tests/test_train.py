@@ -161,7 +161,6 @@ def _write_toml(path, config):
     path.write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_source, corpus, tmp_path):
     steps = 8
     reference = experiment(tmp_path / "reference", tiny_source, corpus, steps=steps)
@@ -186,7 +185,6 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_source, corpus, tm
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_eight_devices_train_like_one(tiny_source, corpus, tmp_path):
     one = experiment(tmp_path / "one", tiny_source, corpus, steps=3, batch_size=8, seq_len=32)
     train.run(one, progress=False)
@@ -202,7 +200,6 @@ def test_eight_devices_train_like_one(tiny_source, corpus, tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "eight"), losses(tmp_path / "one"), rtol=0, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_two_processes_train_like_one(tiny_source, corpus, tmp_path):
     """jax.distributed on localhost: two CPU processes (one device each) form one 2-device mesh."""
     import socket
