@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+from linjax import watchdog
+
 
 def write_text(path: str, text: str) -> None:
     """Atomic text write (a crash never leaves half a file)."""
@@ -124,7 +126,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="JSON file for the results")
-    p.set_defaults(func=_perplexity)
+    watchdog.add_argument(p)
+    p.set_defaults(func=_perplexity, watched="linjax eval perplexity")
 
     p = evals.add_parser("approx", help="per-layer and per-token approximation error (MSE, nMSE) of a student")
     p.add_argument("teacher", help="the original model")
@@ -133,7 +136,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--out", required=True, help="output directory (approx.json, PNG plots)")
-    p.set_defaults(func=_approx)
+    watchdog.add_argument(p)
+    p.set_defaults(func=_approx, watched="linjax eval approx")
 
     p = evals.add_parser("diagnostics", help="key concentration C_t and projection residual R_t per token")
     p.add_argument("source", help="the original (full-attention) model")
@@ -142,7 +146,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--out", required=True, help="output directory (diagnostics.json, PNG plots)")
-    p.set_defaults(func=_diagnostics)
+    watchdog.add_argument(p)
+    p.set_defaults(func=_diagnostics, watched="linjax eval diagnostics")
 
     p = evals.add_parser("ruler", help="RULER's synthetic tasks (S-NIAH 1/2/3, multi-key/value/query, variable "
                                        "tracking, common/frequent words), greedy, string match")
@@ -162,7 +167,8 @@ def add_eval_parser(sub) -> None:
                                       "(default: RULER's Paul Graham essays)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")
-    p.set_defaults(func=_ruler)
+    watchdog.add_argument(p)
+    p.set_defaults(func=_ruler, watched="linjax eval ruler")
 
     p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
     p.add_argument("--layers", type=int, help="number of layers of the model (default: read from --scores)")
@@ -190,4 +196,5 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--no-shared-prefixes", action="store_true",
                    help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
                         "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")
-    p.set_defaults(func=_lm_eval)
+    watchdog.add_argument(p)
+    p.set_defaults(func=_lm_eval, watched="linjax eval lm-eval")

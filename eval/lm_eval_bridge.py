@@ -44,6 +44,8 @@ import os
 import tempfile
 import time
 
+from linjax import watchdog
+
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "lambada_openai")
 DEFAULT_FEWSHOT = {"mmlu": 5}
@@ -207,6 +209,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         lm_class = SharedPrefixHFLM if share_prefixes else HFLM
         lm = lm_class(pretrained=directory, trust_remote_code=True, device=_device(), dtype="float32",
                       batch_size=batch_size)
+        lm.model.register_forward_hook(lambda *_: watchdog.progress())  # each scored batch is progress
         for t in tasks:
             if t in seconds:
                 continue

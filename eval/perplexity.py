@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from linjax import watchdog
+
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int | None = None) -> np.ndarray:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -42,5 +44,6 @@ def perplexity(model, windows: np.ndarray, batch_size: int = 1, progress: bool =
         batch = jnp.asarray(windows[start:start + batch_size])
         total += float(window_nll(state, batch))
         scored += batch.shape[0] * (batch.shape[1] - 1)
+        watchdog.progress()
     nll = total / scored
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": scored, "windows": int(len(windows))}

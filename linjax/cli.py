@@ -17,9 +17,12 @@ checkpoint directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+
+from linjax import watchdog
 
 
 def _convert(args):
@@ -136,7 +139,7 @@ def _run(args):
     from linjax import pipeline, train
 
     config = train.load_experiment(args.config, args.set, args.include)
-    report = pipeline.run(config)
+    report = pipeline.run(config, watchdog_seconds=args.watchdog)
     print(f"report → {report}")
 
 
@@ -183,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_train)
+    watchdog.add_argument(p)
+    p.set_defaults(func=_train, watched="linjax train")
 
     p = sub.add_parser("run", help="convert → linearize → train → evaluate → report.md, restartable")
     p.add_argument("config", help="experiment TOML file with an optional [eval] section (see README)")
@@ -191,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a setting, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
                    help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
+    watchdog.add_argument(p)
     p.set_defaults(func=_run)
 
     p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")
@@ -222,8 +227,10 @@ def main(argv=None):
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
+    watched = getattr(args, "watched", None)  # `linjax run` watches each of its stages itself
     try:
-        args.func(args)
+        with watchdog.watch(watched, args.watchdog) if watched else contextlib.nullcontext():
+            args.func(args)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         sys.exit(f"error: {err}")
 

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from linjax import watchdog
+
 
 @functools.lru_cache(maxsize=8)
 def _compiled_forward(graphdef):
@@ -88,6 +90,7 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
             token = np.where(finished, eos_token_id, token)
             finished |= token == eos_token_id
         new.append(token)
+        watchdog.progress()
         if on_token is not None:
             on_token(token)
         if finished.all() or i + 1 == max_new_tokens:
@@ -109,4 +112,5 @@ def _prefill(forward, params, tokens, states, chunk: int | None):
     for size in pieces:
         logits, states = forward(params, tokens[:, start:start + size], states)
         start += size
+        watchdog.progress()
     return logits, states

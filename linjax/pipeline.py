@@ -20,6 +20,8 @@ import json
 import os
 import time
 
+from linjax import watchdog
+
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
 
 
@@ -156,8 +158,10 @@ _RUNNERS = {"convert": _convert, "train": _train, "perplexity": _perplexity, "ap
             "lm_eval": _lm_eval, "ruler": _ruler, "report": _report}
 
 
-def run(config, *, log=print) -> str:
-    """Runs (or finishes) every stage of `config` (an ExperimentConfig); returns report.md's path."""
+def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_SECONDS) -> str:
+    """Runs (or finishes) every stage of `config` (an ExperimentConfig); returns report.md's path.
+    A stage that makes no progress for `watchdog_seconds` ends the process with an error naming
+    it (None or 0: never); started again, the run resumes from the last finished stage."""
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(os.path.join(run_dir, "stages"), exist_ok=True)
     wanted = [s for s in STAGES if s in ("convert", "train", "report") or s in config.eval.run]
@@ -167,7 +171,10 @@ def run(config, *, log=print) -> str:
             continue
         log(f"[linjax run] {stage} ...")
         start = time.perf_counter()
-        result = _RUNNERS[stage](config, run_dir)
+        with watchdog.watch(f"stage '{stage}' of linjax run", watchdog_seconds,
+                            hint="Run the same command again to resume from the last finished stage; "
+                                 "--watchdog SECONDS sets the limit (0: off)."):
+            result = _RUNNERS[stage](config, run_dir)
         result["seconds"] = time.perf_counter() - start
         _record(run_dir, stage, result)
         log(f"[linjax run] {stage}: done in {result['seconds']:.0f}s")

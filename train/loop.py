@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from linjax import watchdog
 from linjax.layers import Trainable
 from linjax.train import sharding
 from linjax.train.data import build_dataset
@@ -153,6 +154,7 @@ def run(config, resume: bool = False, progress: bool = True):
                     log.flush()
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
+                watchdog.progress()
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save(step)
         bar.close()

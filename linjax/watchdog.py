@@ -1,0 +1,81 @@
+"""A stage that stops making progress ends with an error naming it, instead of waiting forever.
+
+A deadlock inside a compiled program (issue 15: two LAPACK calls waiting on the same XLA:CPU
+thread pool) leaves every thread asleep, so nothing in Python ever runs again and no exception
+can reach the main thread. A watchdog thread therefore watches a heartbeat: long loops (training
+steps, evaluation windows and samples, decode steps, lm-eval forward passes) call `progress()`,
+and when a watched stage has not called it for `seconds`, the watchdog prints which stage stalled
+and the Python stack of every thread, then ends the process with exit status 3. `linjax run`
+resumes from its last finished stage when started again.
+
+    with watchdog.watch("ruler", seconds=1200):
+        for sample in samples:
+            ...
+            watchdog.progress()
+
+`seconds` of None or ≤ 0 turns the watchdog off. Compilation counts as no progress, so the
+limit must exceed the longest compile of the stage (minutes for a large model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+DEFAULT_SECONDS = 1200.0
+EXIT_STATUS = 3
+
+_last_progress = time.monotonic()
+
+
+def progress() -> None:
+    """Tell the watchdog that the running stage has advanced (cheap: call it in inner loops)."""
+    global _last_progress
+    _last_progress = time.monotonic()
+
+
+def _stalled(stage: str, seconds: float, hint: str) -> None:
+    message = (f"\nerror: {stage} made no progress for {seconds:.0f} s, so the watchdog stopped it "
+               f"(a deadlock or a stuck device call; the stacks of every thread follow). {hint}\n")
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(EXIT_STATUS)
+
+
+@contextlib.contextmanager
+def watch(stage: str, seconds: float | None = DEFAULT_SECONDS, *, hint: str = "",
+          on_stall=_stalled):
+    """Runs the body under a watchdog for `stage`; `on_stall(stage, seconds, hint)` is called from
+    the watchdog thread when no `progress()` came for `seconds` (by default it ends the process)."""
+    if not seconds or seconds <= 0:
+        yield
+        return
+    done = threading.Event()
+    progress()
+
+    def guard():
+        while not done.wait(min(seconds / 10, 5.0)):
+            if time.monotonic() - _last_progress > seconds:
+                on_stall(stage, seconds, hint)
+                return
+
+    thread = threading.Thread(target=guard, name=f"linjax-watchdog[{stage}]", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def add_argument(parser) -> None:
+    """`--watchdog SECONDS` on a long-running command."""
+    parser.add_argument("--watchdog", type=float, default=DEFAULT_SECONDS, metavar="SECONDS",
+                        help=f"end with an error naming the stage when it makes no progress for this long "
+                             f"(default {DEFAULT_SECONDS:.0f}; 0: never)")

@@ -1,0 +1,67 @@
+"""The watchdog: a stage that stops making progress ends with an error naming it (issue 15)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from linjax import watchdog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_progress_keeps_a_stage_alive_and_silence_stops_it():
+    stalls = []
+    on_stall = lambda stage, seconds, hint: stalls.append((stage, seconds))
+    with watchdog.watch("busy", 0.5, on_stall=on_stall):
+        for _ in range(15):  # 1.5 s in all, never 0.5 s without progress
+            time.sleep(0.1)
+            watchdog.progress()
+    assert stalls == []
+    with watchdog.watch("silent", 0.5, on_stall=on_stall):
+        time.sleep(1.5)
+    assert stalls == [("silent", 0.5)]
+
+
+def test_off_when_seconds_is_zero_or_none():
+    before = threading.active_count()
+    for seconds in (0, None):
+        with watchdog.watch("anything", seconds, on_stall=lambda *a: (_ for _ in ()).throw(AssertionError)):
+            assert threading.active_count() == before
+
+
+def _run_python(code: str, timeout: float = 120):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_a_stalled_linjax_run_stage_exits_with_its_name(tmp_path):
+    """A `linjax run` stage stuck where no Python runs (here a long sleep) ends the process with exit
+    status 3, the stage's name and every thread's stack; the stages before it stay recorded."""
+    started = time.monotonic()
+    done = _run_python(f"""
+        import time
+        from linjax import pipeline
+        from linjax.train.config import from_dict
+
+        pipeline._RUNNERS["convert"] = lambda config, run_dir: {{"stand-in": True}}
+        pipeline._RUNNERS["train"] = lambda config, run_dir: time.sleep(300)   # hangs
+        pipeline.run(from_dict({{"run_dir": {str(tmp_path)!r}}}), watchdog_seconds=2)
+    """)
+    assert time.monotonic() - started < 100
+    assert done.returncode == watchdog.EXIT_STATUS, done.stderr[-3000:]
+    assert "stage 'train' of linjax run made no progress for 2 s" in done.stderr
+    assert "Most recent call first" in done.stderr or "File " in done.stderr  # the stacks
+    assert os.path.exists(tmp_path / "stages" / "convert.json")
+    assert not os.path.exists(tmp_path / "stages" / "train.json")
+
+
+def test_cli_flag_reaches_eval_commands():
+    from linjax.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "ruler", "m", "--out", "x.json", "--watchdog", "7"])
+    assert (args.watched, args.watchdog) == ("linjax eval ruler", 7.0)
+    args = build_parser().parse_args(["run", "c.toml"])
+    assert args.watchdog == watchdog.DEFAULT_SECONDS and getattr(args, "watched", None) is None
