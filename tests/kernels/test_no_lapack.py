@@ -6,9 +6,9 @@ waits for them. Two such calls scheduled at once on a 2-core machine each hold o
 thread and wait for tasks that no thread is left to run: the process sleeps forever. The first
 test runs that situation (six independent chunked GDN calls at SmolLM2's shapes in one program)
 in a subprocess pinned to two cores, under a timeout, so a regression fails instead of hanging
-the suite; the old kernel stopped for good in its first call. The second test reads the lowered
-programs of every chunked kernel, and of a linearized model's training gradient for every
-mechanism, for any LAPACK custom call.
+the suite; the old kernel stopped for good in its first call. The others read the lowered
+programs of every chunked kernel and, for every mechanism, of a linearized model's training
+gradient and decode step, for any LAPACK custom call.
 """
 
 import os
@@ -101,7 +101,8 @@ def test_chunked_kernels_lower_without_lapack(name):
 
 
 @pytest.mark.parametrize("mechanism", ["gla", "kgla", "gdn", "gdn_scalar", "hedgehog", "window"])
-def test_linearized_training_gradient_lowers_without_lapack(mechanism):
+def test_linearized_model_lowers_without_lapack(mechanism):
+    """The hot paths of a linearized model: the training gradient and a decode step."""
     base = CausalLM(tiny_config("llama", num_hidden_layers=1), rngs=nnx.Rngs(0))
     adapter = None if mechanism == "window" else "shortconv"
     model = linjax.linearize(base, linjax.LinearizeConfig(mechanism=mechanism, window=8, sinks=4, adapter=adapter))
@@ -112,4 +113,8 @@ def test_linearized_training_gradient_lowers_without_lapack(mechanism):
         logits = nnx.merge(graphdef, params, rest)(tokens)
         return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
 
+    def decode(params, token, states):
+        return nnx.merge(graphdef, params, rest)(token, states=states)
+
     assert _lapack_calls(jax.jit(jax.grad(loss)).lower(params)) == []
+    assert _lapack_calls(jax.jit(decode).lower(params, tokens[:, :1], model.init_states(1, 32))) == []
