@@ -4,7 +4,8 @@
 config and the parameter dtype); the parameters are restored by orbax into an
 abstract model built with `nnx.eval_shape`, so restoring allocates each array
 once. Orbax writes into a temporary directory and renames it when complete, so
-an interrupted save leaves no half-written checkpoint.
+an interrupted save leaves no half-written checkpoint; `save_checkpoint` writes the whole directory
+beside its place and swaps it in, so parameters and manifest are always replaced together.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.config import ModelConfig
+from linjax.convert.hf import write_directory
 from linjax.linearize import LinearizeConfig
 from linjax.model import CausalLM, abstract_model
 
@@ -29,13 +31,18 @@ def is_checkpoint(directory: str) -> bool:
 
 
 def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
+    """Writes the checkpoint whole into a directory beside `directory` and swaps it in
+    (`hf.write_directory`), so an interrupted or failed save leaves the earlier checkpoint as it was,
+    never new parameters beside an old manifest. Refuses a directory linjax did not write as an output."""
+    return write_directory(directory, lambda staging: write_checkpoint_files(model, staging, tokenizer))
+
+
+def write_checkpoint_files(model: CausalLM, directory: str, tokenizer=None) -> None:
+    """params/ (orbax), tokenizer/ and linjax.json into an existing directory."""
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    params_dir = os.path.join(directory, "params")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(params_dir, nnx.state(model), force=True)
+    checkpointer.save(os.path.join(directory, "params"), nnx.state(model))
     checkpointer.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
@@ -43,11 +50,8 @@ def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
     manifest = {"format_version": FORMAT_VERSION, "dtype": str(model.dtype),
                 "model_config": model.config.to_hf(),
                 "linearize": None if linearized is None else linearized.to_dict()}
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
-    os.replace(tmp, os.path.join(directory, MANIFEST))  # the manifest last: it marks the checkpoint complete
-    return directory
 
 
 def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: str) -> str:

@@ -51,21 +51,32 @@ def gguf_hf_config(reader, path: str = "GGUF file") -> dict:
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; "
                          f"linjax reads {sorted(_ARCHITECTURES)}")
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+
+    def get(key, default=None, required=False):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            raise ValueError(f"{path}: GGUF metadata has no '{arch}.{key}', which linjax needs to build the "
+                             "model; the file is incomplete or from another converter: convert the model again "
+                             "with llama.cpp's convert_hf_to_gguf.py")
+        return value
+
+    heads = int(get("attention.head_count", required=True))
+    hidden = int(get("embedding_length", required=True))
     names = {t.name for t in reader.tensors}
     vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    if not vocab:
+        raise ValueError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens; "
+                         "convert the model again with llama.cpp's convert_hf_to_gguf.py")
     config = {
         "model_type": _ARCHITECTURES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": int(get("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", required=True)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,

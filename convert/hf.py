@@ -144,40 +144,126 @@ def load_hf_directory(directory: str, dtype=jnp.float32) -> CausalLM:
     return model_from_tensors(config, read_safetensors(directory), dtype, source=directory)
 
 
-def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=None, extra_files=None):
-    """config.json + model.safetensors (+ tokenizer files, + `extra_files` {name: source path}, e.g.
-    modeling code), written next to `directory` and renamed into place, so an interrupted write never
-    leaves a half-written model behind."""
+def write_hf_files(directory: str, config: dict, tensors: dict, tokenizer=None, extra_files=None):
+    """config.json + model.safetensors (+ tokenizer files, + `extra_files` {name: source path}, e.g. modeling
+    code) into an existing directory."""
     from safetensors.numpy import save_file
 
-    directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".linjax-write-", dir=parent)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    for name, source in (extra_files or {}).items():
+        shutil.copyfile(source, os.path.join(directory, name))
+
+
+def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=None, extra_files=None) -> str:
+    """An HF model directory (see `write_hf_files`), written whole and swapped in by `write_directory`."""
+    return write_directory(directory, lambda staging: write_hf_files(staging, config, tensors, tokenizer,
+                                                                     extra_files))
+
+
+# Every directory linjax writes with `write_directory` (exports, conversions, linearized checkpoints) holds
+# this file, listing its entries: only such a directory, with nothing added since, is ever replaced.
+EXPORT_MARKER = ".linjax-export"
+# What a training run directory holds beside its checkpoint: such a directory is never replaced.
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl")
+
+
+def _written_entries(directory: str) -> set[str] | None:
+    """The entries linjax wrote into `directory` (from its marker), or None if linjax did not write it."""
     try:
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        for name, source in (extra_files or {}).items():
-            shutil.copyfile(source, os.path.join(staging, name))
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with open(os.path.join(directory, EXPORT_MARKER)) as f:
+            return set(json.load(f)["entries"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
-def check_export_directory(directory: str) -> str:
-    """The absolute path, if writing there replaces nothing but an earlier export."""
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_export_directory(directory: str, source: str | None = None) -> str:
+    """The absolute path of an output directory that may be (re)written: absent, empty, or an earlier
+    output of linjax with nothing added since. Never the input `source` (nor a directory inside it or
+    holding it), a training run, a checkpoint linjax did not write as an output, or anyone's other files."""
     directory = os.path.abspath(directory)
-    if os.path.isdir(directory) and os.listdir(directory) and not os.path.isfile(
-            os.path.join(directory, "config.json")):
-        raise FileExistsError(f"{directory} exists and does not look like a model export; "
-                              "choose an empty or new directory")
+    if source is not None and os.path.exists(source):
+        out, src = os.path.realpath(directory), os.path.realpath(source)
+        if _within(out, src) or _within(src, out):
+            relation = "is" if out == src else "is inside" if _within(out, src) else "holds"
+            raise FileExistsError(f"the output directory {directory} {relation} the input {source}; "
+                                  "choose an --out outside it")
+    if not os.path.exists(directory):
+        return directory
+    if not os.path.isdir(directory):
+        raise FileExistsError(f"{directory} is a file; choose another --out")
+    entries = set(os.listdir(directory))
+    written = _written_entries(directory)
+    if not entries or (written is not None and entries - {EXPORT_MARKER} <= written):
+        return directory
+    if entries & set(RUN_ENTRIES):
+        what = f"a training run ({', '.join(sorted(entries & set(RUN_ENTRIES)))})"
+    elif written is None and "linjax.json" in entries:
+        what = (f"a linjax checkpoint without {EXPORT_MARKER} (a training run's, or one written before linjax "
+                "marked its outputs)")
+    elif written is None:
+        what = f"files linjax did not write (no {EXPORT_MARKER}): {_listing(sorted(entries), 5)}"
+    else:
+        what = f"files added after linjax wrote it: {_listing(sorted(entries - written - {EXPORT_MARKER}), 5)}"
+    raise FileExistsError(f"{directory} already exists and holds {what}; linjax replaces only its own earlier "
+                          "outputs. Choose another --out, or remove that directory yourself")
+
+
+def write_directory(directory: str, fill) -> str:
+    """Writes a whole output directory: `fill(staging)` fills a new directory beside `directory`, the
+    marker is added, then an earlier `directory` is renamed aside, the new one renamed into place, and
+    only then the old one removed. A failure (a full disk, an unwritable folder) or a crash before the
+    swap leaves the earlier directory as it was; a crash inside the swap leaves both, side by side."""
+    directory = check_export_directory(directory)
+    parent, name = os.path.split(directory)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{name}.linjax-new-", dir=parent)
+    except OSError as err:
+        raise _write_error(directory, err) from err
+    try:
+        fill(staging)
+        with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
+            json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)
+        _swap_in(staging, directory)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise _write_error(directory, err) from err
+        raise
     return directory
+
+
+def _swap_in(new: str, directory: str) -> None:
+    if not os.path.exists(directory):
+        os.rename(new, directory)
+        return
+    parent, name = os.path.split(directory)
+    old = tempfile.mkdtemp(prefix=f".{name}.linjax-old-", dir=parent)
+    os.rename(directory, old)  # onto the empty directory just made: POSIX rename replaces it
+    try:
+        os.rename(new, directory)
+    except BaseException:
+        os.rename(old, directory)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_error(directory: str, err: OSError) -> OSError:
+    """One line for people: what failed, that nothing was lost, what to do."""
+    reason = err.strerror or str(err)
+    if err.filename:
+        reason += f" ({err.filename})"
+    kept = "its earlier contents are intact" if os.path.isdir(directory) else "nothing was written there"
+    return OSError(err.errno, f"could not write {directory}: {reason}; {kept}. "
+                              "Free some space or choose another --out, then run the command again")
 
 
 def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:

@@ -18,6 +18,8 @@ import os
 import time
 
 from linjax import watchdog
+from linjax.cli import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
+                        positive_ints)
 
 
 def write_text(path: str, text: str) -> None:
@@ -93,9 +95,8 @@ def _select_layers(args):
 def _ruler(args):
     from linjax.eval import ruler
 
-    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    result = ruler.run(args.model, tasks=args.tasks.split(","), lengths=ints(args.lengths), samples=args.samples,
-                       out=args.out, budgets=ints(args.budgets) or None, sinks=args.sinks,
+    result = ruler.run(args.model, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
+                       out=args.out, budgets=args.budgets or None, sinks=args.sinks,
                        window_only=args.window_only, haystack=args.haystack,
                        seed=args.seed)
     print("\n" + result["table_markdown"] + f"\n→ {args.out}")
@@ -121,9 +122,9 @@ def add_eval_parser(sub) -> None:
                    help="smollm2-135m, a checkpoint or run directory, ..., or an experiment TOML "
                         "(its linearized model before training)")
     p.add_argument("--data", required=True, help="a UTF-8 text file, e.g. WikiText-2 test")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=positive_int, default=1024)
+    p.add_argument("--max-windows", type=positive_int, default=None, help="score only the first N windows")
+    p.add_argument("--batch-size", type=positive_int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="JSON file for the results")
     watchdog.add_argument(p)
@@ -133,8 +134,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("teacher", help="the original model")
     p.add_argument("student", help="a linearization of it (run directory, checkpoint, or experiment TOML)")
     p.add_argument("--data", required=True, help=".json (Alpaca), .jsonl or .txt held-out text")
-    p.add_argument("--num-seqs", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-seqs", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=512)
     p.add_argument("--out", required=True, help="output directory (approx.json, PNG plots)")
     watchdog.add_argument(p)
     p.set_defaults(func=_approx, watched="linjax eval approx")
@@ -143,8 +144,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("source", help="the original (full-attention) model")
     p.add_argument("--student", help="a linearization of it: adds nMSE binned by C and by R")
     p.add_argument("--data", required=True)
-    p.add_argument("--num-seqs", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-seqs", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=512)
     p.add_argument("--out", required=True, help="output directory (diagnostics.json, PNG plots)")
     watchdog.add_argument(p)
     p.set_defaults(func=_diagnostics, watched="linjax eval diagnostics")
@@ -152,14 +153,15 @@ def add_eval_parser(sub) -> None:
     p = evals.add_parser("ruler", help="RULER's synthetic tasks (S-NIAH 1/2/3, multi-key/value/query, variable "
                                        "tracking, common/frequent words), greedy, string match")
     p.add_argument("model")
-    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3",
+    p.add_argument("--tasks", type=names_list, default="niah_single_1,niah_single_2,niah_single_3",
                    help="comma-separated, from: niah_single_1, niah_single_2, niah_single_3 (S-NIAH), multikey, "
                         "multikey_2, multikey_3 (MK), multivalue (MV), multiquery (MQ), vt (VT), cwe (CWE, about "
                         "700 tokens or more), fwe (FWE)")
-    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens")
-    p.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    p.add_argument("--budgets", default="", help="cache budgets (sinks + window) for a linearized model, e.g. 128,512")
-    p.add_argument("--sinks", type=int, default=8, help="sinks within each budget")
+    p.add_argument("--lengths", type=positive_ints, default="1024,2048,4096", help="prompt lengths in tokens")
+    p.add_argument("--samples", type=positive_int, default=20, help="samples per task and length")
+    p.add_argument("--budgets", type=optional_positive_ints, default="",
+                   help="cache budgets (sinks + window) for a linearized model, e.g. 128,512")
+    p.add_argument("--sinks", type=non_negative_int, default=8, help="sinks within each budget")
     p.add_argument("--window-only", action="store_true",
                    help="MODEL is full attention: evaluate it as sinks + window softmax alone at each budget "
                         "(the baseline with no linear state)")
@@ -171,8 +173,8 @@ def add_eval_parser(sub) -> None:
     p.set_defaults(func=_ruler, watched="linjax eval ruler")
 
     p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
-    p.add_argument("--layers", type=int, help="number of layers of the model (default: read from --scores)")
-    p.add_argument("--keep", type=float, required=True, help="a fraction (0.2) or a count (6)")
+    p.add_argument("--layers", type=positive_int, help="number of layers of the model (default: read from --scores)")
+    p.add_argument("--keep", type=positive_float, required=True, help="a fraction (0.2) or a count (6)")
     p.add_argument("--by", default="uniform", choices=["uniform", "concentration", "residual", "nmse"],
                    help="evenly spaced, or the hardest layers: lowest concentration, highest residual or nMSE")
     p.add_argument("--scores", help="diagnostics.json (concentration, residual) or approx.json (nmse)")
@@ -181,12 +183,13 @@ def add_eval_parser(sub) -> None:
 
     p = evals.add_parser("lm-eval", help="downstream tasks (piqa, arc_easy, ..., mmlu) with lm-evaluation-harness")
     p.add_argument("model", metavar="MODEL", help="an exported HF directory, smollm2-135m, a checkpoint or run directory")
-    p.add_argument("--tasks", required=True,
+    p.add_argument("--tasks", type=names_list, required=True,
                    help="comma-separated: piqa,arc_easy,arc_challenge,hellaswag,winogrande,mmlu,lambada_openai")
     p.add_argument("--data-dir", help="local benchmark files (the data folder's layout); default: lm-eval's hub tasks")
-    p.add_argument("--limit", type=float, default=None, help="documents per task (per MMLU subject); <1: a fraction")
-    p.add_argument("--num-fewshot", type=int, default=None, help="default: 5 for mmlu, 0 for the rest")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--limit", type=positive_float, default=None,
+                   help="documents per task (per MMLU subject); <1: a fraction")
+    p.add_argument("--num-fewshot", type=non_negative_int, default=None, help="default: 5 for mmlu, 0 for the rest")
+    p.add_argument("--batch-size", type=positive_int, default=8,
                    help="rows per forward pass of lm-eval's HFLM (with --no-shared-prefixes, and for requests longer "
                         "than the model's context)")
     p.add_argument("--out", required=True, help="output directory (lm_eval_results.json, results.md)")

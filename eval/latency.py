@@ -393,23 +393,26 @@ def plot(result: dict, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `linjax bench latency` and `bench/latency.py` (one definition for both)."""
-    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prompt lengths L")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
-                        help=f"comma-separated, from: {', '.join(IMPLEMENTATIONS)}")
-    parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is reported)")
+    from linjax.cli import argument_type, positive_float, positive_int
+
+    parser.add_argument("--lengths", type=argument_type(parse_lengths), default=",".join(map(str, DEFAULT_LENGTHS)),
+                        help="prompt lengths L")
+    parser.add_argument("--implementations", type=argument_type(parse_implementations),
+                        default=",".join(IMPLEMENTATIONS), help=f"comma-separated, from: {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--batch", type=positive_int, default=BATCH)
+    parser.add_argument("--decode-tokens", type=positive_int, default=DECODE_TOKENS)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (the median is reported)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="anything linjax.load reads (full attention)")
     parser.add_argument("--hf-dir", help="its transformers directory (default: runs/smollm2-hf for smollm2-135m, "
                                          "or --model if it is one); exported there if absent")
     parser.add_argument("--real-prefill", action="store_true",
                         help="run the real prefill instead of the random stand-in (slow on a CPU at large L)")
-    parser.add_argument("--memory-limit-gb", type=float,
+    parser.add_argument("--memory-limit-gb", type=positive_float,
                         help="do not start a KV-cache point whose cache exceeds this many GiB (default: the host's "
                              "MemAvailable at that moment; on a GPU, pass its memory)")
-    parser.add_argument("--threads", type=int, help="cores for each point's process, torch and XLA alike "
-                                                   "(default: all; 1 keeps a busy machine from thrashing)")
-    parser.add_argument("--timeout-s", type=float, help="give up on a point after this long")
+    parser.add_argument("--threads", type=positive_int, help="cores for each point's process, torch and XLA alike "
+                                                          "(default: all; 1 keeps a busy machine from thrashing)")
+    parser.add_argument("--timeout-s", type=positive_float, help="give up on a point after this long")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("bench", "results", "latency"),
                         help="output directory: latency.json, latency.md, latency.png")

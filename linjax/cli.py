@@ -18,28 +18,123 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
+import threading
 import time
 
 from linjax import watchdog
 
+# Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
+USER_ERROR = 2
+
+
+# ----------------------------------------------------------------------------- argument types
+# argparse reports an ArgumentTypeError as `argument --seq-len: must be ...`, with the usage and status 2.
+
+
+def _number(kind, text: str, minimum, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not value >= minimum:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _number(int, text, 0, "an integer ≥ 0")
+
+
+def positive_float(text: str) -> float:
+    value = _number(float, text, 0.0, "a positive number")
+    if value == 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(float, text, 0.0, "a number ≥ 0")
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
+    return value
+
+
+def names_list(text: str) -> list[str]:
+    """'piqa, arc_easy' → ['piqa', 'arc_easy']; at least one name."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"must be comma-separated names like 'a,b', got {text!r}")
+    return names
+
+
+def positive_ints(text: str) -> list[int]:
+    """'1024,2048' → [1024, 2048]; at least one, each a positive integer."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        values = [int(x) for x in items]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers like '1024,2048', "
+                                         f"got {text!r}")
+    return values
+
+
+def optional_positive_ints(text: str) -> list[int]:
+    """Like `positive_ints`, but '' (the default: none) is an empty list."""
+    return positive_ints(text) if text.strip() else []
+
+
+def argument_type(parse):
+    """An argparse type from a parser whose ValueError message is written for people."""
+    def parse_argument(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse_argument.__name__ = parse.__name__
+    return parse_argument
+
+
+def describe_error(err: BaseException) -> str:
+    """An exception as the one line linjax prints."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    return str(err)
+
 
 def _convert(args):
     import linjax
-    from linjax.convert.checkpoint import save_checkpoint
+    from linjax.convert.checkpoint import write_checkpoint_files
+    from linjax.convert.hf import check_export_directory, write_directory
 
     start = time.perf_counter()
+    out = check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
-    out = os.path.abspath(args.out)
     written = []
-    if args.format in ("hf", "both"):
-        linjax.save_hf(model, out, tokenizer)
-        written.append(f"HF directory (config.json, model.safetensors{', tokenizer' if tokenizer else ''})")
-    if args.format in ("linjax", "both"):
-        # Next to the HF files when both are asked for: `linjax.load(DIR)` prefers the linjax checkpoint.
-        save_checkpoint(model, out, tokenizer)
-        written.append("linjax checkpoint (linjax.json, params/)")
+
+    def fill(staging):  # both formats go into one directory, swapped in whole
+        if args.format in ("hf", "both"):
+            # save_hf picks the writer (plain or linearized) and writes a complete directory; its files move up.
+            hf_dir = linjax.save_hf(model, os.path.join(staging, "hf"), tokenizer)
+            for name in os.listdir(hf_dir):
+                os.replace(os.path.join(hf_dir, name), os.path.join(staging, name))
+            os.rmdir(hf_dir)
+            written.append(f"HF directory (config.json, model.safetensors{', tokenizer' if tokenizer else ''})")
+        if args.format in ("linjax", "both"):
+            # Next to the HF files when both are asked for: `linjax.load(DIR)` prefers the linjax checkpoint.
+            write_checkpoint_files(model, staging, tokenizer)
+            written.append("linjax checkpoint (linjax.json, params/)")
+
+    write_directory(out, fill)
     n_params = linjax.parameter_count(model)
     print(f"converted {args.source} ({model.config.architecture}, {n_params / 1e6:.1f}M parameters, "
           f"{model.dtype}) → {out}: {' + '.join(written)} in {time.perf_counter() - start:.1f}s")
@@ -61,11 +156,13 @@ def parse_keep(text: str):
 def _linearize(args):
     import linjax
     from linjax.convert.checkpoint import save_checkpoint
+    from linjax.convert.hf import check_export_directory
 
     config = linjax.LinearizeConfig(
         mechanism=args.mechanism, window=args.window, sinks=args.sinks, combine=args.combine,
         adapter=None if args.adapter == "none" else args.adapter,
         keep_full_attention=parse_keep(args.keep_full_attention))
+    check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     model = linjax.linearize(model, config, seed=args.seed)
     save_checkpoint(model, args.out, tokenizer)
@@ -79,7 +176,9 @@ def _linearize(args):
 
 def _export(args):
     import linjax
+    from linjax.convert.hf import check_export_directory
 
+    check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source)
     out = linjax.save_hf(model, args.out, tokenizer)
     if model.linearize_config is None:
@@ -98,14 +197,14 @@ def _generate(args):
 
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     if tokenizer is None:
-        sys.exit(f"error: {args.source} has no tokenizer files; save one next to the weights")
+        raise ValueError(f"{args.source} has no tokenizer files; save one next to the weights")
     prompt = args.prompt
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
     ids = tokenizer(prompt)["input_ids"]
     if not ids:
-        sys.exit("error: the prompt is empty after tokenization")
+        raise ValueError("the prompt is empty after tokenization; give a longer --prompt")
     eos = model.config.eos_token_id if args.stop_at_eos else None
     eos = eos[0] if isinstance(eos, tuple) else eos
     print(prompt, end="", flush=True)
@@ -131,7 +230,26 @@ def _train(args):
 
     maybe_initialize_distributed()
     config = train.load_experiment(args.config, args.set, args.include)
-    train.run(config, resume=args.resume, progress=not args.no_progress)
+    # orbax logs a failure of one of its background save threads with its traceback, and raises it again
+    # in the thread that saves: that one is reported below, as one line.
+    logging.getLogger("absl").addFilter(
+        lambda record: "_SignalingThread.run() raised an exception" not in record.getMessage())
+    try:
+        train.run(config, resume=args.resume, progress=not args.no_progress)
+    except OSError as err:
+        if isinstance(err, (FileNotFoundError, FileExistsError)):
+            raise
+        # The other writes of the failed save are still running: let them end before the interpreter
+        # shuts down under them (which prints their tracebacks).
+        deadline = time.monotonic() + 60
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A full disk or an unwritable folder, most likely while saving: orbax commits a checkpoint by a
+        # final rename, so every checkpoint listed before the failure is whole.
+        raise OSError(err.errno, f"training stopped: {describe_error(err)}. The checkpoints completed in "
+                                 f"{os.path.abspath(config.run_dir)} are intact: free some space (or fix the "
+                                 "folder's permissions) and continue with --resume") from err
     print(f"trained → {os.path.abspath(config.run_dir)} (metrics.jsonl; `linjax.load` restores the model)")
 
 
@@ -163,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("linearize", help="replace attention with a linear mechanism (untrained) and save")
     p.add_argument("source")
     p.add_argument("--mechanism", default="gdn", help="gla | kgla | gdn | gdn_scalar | hedgehog")
-    p.add_argument("--window", type=int, default=56)
-    p.add_argument("--sinks", type=int, default=8)
+    p.add_argument("--window", type=non_negative_int, default=56)
+    p.add_argument("--sinks", type=non_negative_int, default=8)
     p.add_argument("--combine", default="sum", help="sum (the paper) | mixed (Liger's 0.5/0.5)")
     p.add_argument("--adapter", default="none", help="none | shortconv | lora")
     p.add_argument("--keep-full-attention", default="", help="layer indices '0,5' or a fraction '0.2'")
@@ -201,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt (greedy by default, with a KV cache)")
     p.add_argument("source")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=32)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false")
@@ -231,8 +349,9 @@ def main(argv=None):
     try:
         with watchdog.watch(watched, args.watchdog) if watched else contextlib.nullcontext():
             args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
-        sys.exit(f"error: {err}")
+    except (OSError, ValueError) as err:  # bad input, a missing file, a full disk: one line, no traceback
+        print(f"linjax: error: {describe_error(err)}", file=sys.stderr)
+        sys.exit(USER_ERROR)
 
 
 if __name__ == "__main__":

@@ -193,5 +193,5 @@ def test_bad_input_is_refused_with_a_clear_error(tiny_hf_dir, tmp_path, kwargs, 
 
 def test_cli_and_bench_script_share_the_options():
     args = build_parser().parse_args(["bench", "latency", "--lengths", "16,32", "--real-prefill", "--out", "x"])
-    assert (args.lengths, args.real_prefill, args.batch, args.decode_tokens, args.out) == ("16,32", True, 8, 16, "x")
+    assert (args.lengths, args.real_prefill, args.batch, args.decode_tokens, args.out) == ([16, 32], True, 8, 16, "x")
     assert args.func.__name__ == "_bench_latency"

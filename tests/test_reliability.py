@@ -1,0 +1,329 @@
+"""Reliability (issue 19): no command loses a user's work, and every mistake gets one clear line.
+
+- Outputs: `linjax export`, `convert` and `linearize` replace only a directory linjax wrote as an
+  output (it holds `.linjax-export`, listing its entries), never their input nor a run directory,
+  and swap a new output in whole (a checkpoint's parameters and manifest are replaced together).
+- A full disk during an export, a checkpoint save or a training checkpoint leaves the earlier
+  output or the last completed checkpoint intact and ends with one line (simulated: the tests run
+  as root, where a read-only folder does not stop writes).
+- Bad numbers and lists on the command line are refused by the parser; user errors exit with 2.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from linjax.cli import main
+
+
+def run_cli(argv, capsys):
+    """(exit status, stdout, stderr) of `linjax ARGV` run in this process."""
+    try:
+        main([str(a) for a in argv])
+        status = 0
+    except SystemExit as done:
+        status = done.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_line_error(err: str) -> str:
+    """The error line; fails unless stderr is exactly one line of it (no traceback)."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+    return lines[0]
+
+
+def snapshot(directory) -> dict:
+    """{relative path: sha256} of every file under `directory`."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+def leftovers(parent) -> list[str]:
+    """Staging or set-aside directories a write left beside its output."""
+    return [n for n in os.listdir(parent) if ".linjax-new-" in n or ".linjax-old-" in n]
+
+
+@pytest.fixture
+def plain_hf_dir(tiny_source, tmp_path):
+    """A user's own HF model directory (not written by linjax: no marker), with a file of theirs."""
+    directory = tmp_path / "users-model"
+    shutil.copytree(tiny_source, directory)
+    (directory / ".linjax-export").unlink(missing_ok=True)
+    (directory / "NOTES.md").write_text("my notes\n")
+    return directory
+
+
+@pytest.fixture
+def run_directory(tmp_path):
+    """What a training run directory holds (config.json too, which the old check took for an export)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / "checkpoints" / "2" / "state").write_bytes(b"days of accelerator time")
+    (run / "config.json").write_text(json.dumps({"run_dir": str(run), "train": {"steps": 2}}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (run / "linjax.json").write_text(json.dumps({"format_version": 1, "kind": "trained"}))
+    return run
+
+
+# ----------------------------------------------------------------------------- 1. what an output may replace
+
+
+@pytest.mark.parametrize("command", ["export", "convert"])
+@pytest.mark.parametrize("where", ["same", "inside input", "holds input"])
+def test_output_overlapping_the_input_is_refused(command, where, plain_hf_dir, capsys):
+    out = {"same": plain_hf_dir, "inside input": plain_hf_dir / "hf",
+           "holds input": plain_hf_dir.parent}[where]
+    before = snapshot(plain_hf_dir.parent)
+    status, _, err = run_cli([command, plain_hf_dir, "--out", out], capsys)
+    assert status == 2
+    assert "input" in one_line_error(err) and "--out" in err
+    assert snapshot(plain_hf_dir.parent) == before
+
+
+@pytest.mark.parametrize("command", ["export", "convert", "linearize"])
+def test_a_run_directory_is_never_replaced(command, tiny_source, run_directory, capsys):
+    before = snapshot(run_directory)
+    status, _, err = run_cli([command, tiny_source, "--out", run_directory], capsys)
+    assert status == 2
+    assert "training run" in one_line_error(err) and "another --out" in err
+    assert snapshot(run_directory) == before
+
+
+def test_a_directory_linjax_did_not_write_is_never_replaced(tiny_source, plain_hf_dir, capsys):
+    before = snapshot(plain_hf_dir)
+    status, _, err = run_cli(["export", tiny_source, "--out", plain_hf_dir], capsys)
+    assert status == 2 and "did not write" in one_line_error(err)
+    assert snapshot(plain_hf_dir) == before
+
+
+def test_an_earlier_export_is_replaced_until_something_is_added(tiny_source, tmp_path, capsys):
+    out = tmp_path / "export"
+    for command in ("export", "convert", "export"):  # each replaces the previous one whole
+        status, _, err = run_cli([command, tiny_source, "--out", out], capsys)
+        assert status == 0, err
+    assert not (out / "linjax.json").exists()  # convert's checkpoint went with the rest
+    assert json.loads((out / ".linjax-export").read_text())["entries"]
+    assert leftovers(tmp_path) == []
+    (out / "lm_eval").mkdir()  # e.g. results written into the export later
+    (out / "lm_eval" / "results.md").write_text("scores\n")
+    status, _, err = run_cli(["export", tiny_source, "--out", out], capsys)
+    assert status == 2 and "lm_eval" in one_line_error(err)
+    assert (out / "lm_eval" / "results.md").exists()
+
+
+# ----------------------------------------------------------------------------- 3. checkpoints replaced whole
+
+
+def tiny_model(seed: int):
+    from flax import nnx
+
+    from linjax.config import tiny_config
+    from linjax.model import CausalLM
+
+    return CausalLM(tiny_config("llama", vocab_size=64), rngs=nnx.Rngs(seed))
+
+
+def embedding(model):
+    return np.asarray(model.embed_tokens.embedding[...])
+
+
+def test_an_interrupted_checkpoint_overwrite_leaves_the_earlier_checkpoint(tmp_path, monkeypatch):
+    """The manifest is written after the parameters: failing there must not leave the new parameters
+    beside the old manifest (which loads silently when the shapes agree)."""
+    from linjax.convert import checkpoint
+
+    directory = str(tmp_path / "ckpt")
+    first, second = tiny_model(0), tiny_model(1)
+    checkpoint.save_checkpoint(first, directory)
+    dump = json.dump
+
+    def failing_dump(obj, f, *args, **kwargs):
+        if os.path.basename(getattr(f, "name", "")).startswith(checkpoint.MANIFEST):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return dump(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dump", failing_dump)
+    with pytest.raises(OSError) as failure:
+        checkpoint.save_checkpoint(second, directory)
+    monkeypatch.undo()
+    loaded, _ = checkpoint.load_checkpoint(directory)
+    np.testing.assert_array_equal(embedding(loaded), embedding(first))
+    assert "No space left on device" in str(failure.value) and "intact" in str(failure.value)
+    assert leftovers(tmp_path) == []
+    checkpoint.save_checkpoint(second, directory)  # a save that completes replaces it
+    np.testing.assert_array_equal(embedding(checkpoint.load_checkpoint(directory)[0]), embedding(second))
+
+
+# ----------------------------------------------------------------------------- 11. full disk, unwritable folder
+
+
+def test_a_full_disk_during_export_keeps_the_previous_export(tiny_source, tmp_path, monkeypatch, capsys):
+    import safetensors.numpy
+
+    out = tmp_path / "export"
+    assert run_cli(["export", tiny_source, "--out", out], capsys)[0] == 0
+    before = snapshot(out)
+    save_file = safetensors.numpy.save_file
+
+    def disk_fills_up(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 1000)  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_fills_up)
+    status, _, err = run_cli(["export", tiny_source, "--out", out], capsys)
+    assert status == 2
+    line = one_line_error(err)
+    assert "No space left on device" in line and "intact" in line and str(out) in line
+    assert snapshot(out) == before
+    assert leftovers(tmp_path) == []
+    monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+
+
+def test_a_crash_inside_the_swap_restores_the_previous_export(tiny_source, tmp_path, monkeypatch):
+    """Renaming the new export into place fails after the old one was moved aside: it comes back."""
+    import linjax
+    from linjax.convert import hf
+
+    out = str(tmp_path / "export")
+    model, tokenizer = linjax.load(tiny_source)
+    linjax.save_hf(model, out, tokenizer)
+    before = snapshot(out)
+    rename = os.rename
+
+    def failing_rename(src, dst):
+        if ".linjax-new-" in os.path.basename(str(src)) and str(dst) == out:
+            raise OSError(errno.EIO, "Input/output error")
+        return rename(src, dst)
+
+    monkeypatch.setattr(hf.os, "rename", failing_rename)
+    with pytest.raises(OSError, match="intact"):
+        linjax.save_hf(model, out, tokenizer)
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders; the tests above simulate it")
+def test_an_unwritable_output_folder_is_one_line(tiny_source, tmp_path, capsys):
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        status, _, err = run_cli(["export", tiny_source, "--out", parent / "export"], capsys)
+    finally:
+        parent.chmod(0o755)
+    assert status == 2 and "could not write" in one_line_error(err)
+
+
+TRAIN_TOML = """run_dir = "{run}"
+[model]
+source = "{source}"
+[linearize]
+mechanism = "gdn"
+window = 8
+sinks = 2
+adapter = "shortconv"
+[data]
+paths = ["{data}"]
+[train]
+steps = 4
+seq_len = 32
+batch_size = 2
+warmup_steps = 1
+checkpoint_every = 2
+seed = 3
+"""
+
+
+def test_a_full_disk_during_a_training_checkpoint_keeps_the_last_one(tiny_source, tmp_path, monkeypatch, capsys):
+    import orbax.checkpoint as ocp
+
+    from linjax import train
+
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(40))})
+                              for i in range(8)))
+    run = tmp_path / "run"
+    config = tmp_path / "experiment.toml"
+    config.write_text(TRAIN_TOML.format(run=run, source=tiny_source, data=data))
+    save_fn = ocp.handlers.JsonCheckpointHandler._save_fn
+
+    async def disk_fills_up_at_step_4(self, x, directory):
+        if "4.orbax-checkpoint-tmp" in str(directory):  # step 4's parameters are written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await save_fn(self, x, directory)
+
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", disk_fills_up_at_step_4)
+    status, _, err = run_cli(["train", config, "--no-progress"], capsys)
+    assert status == 2
+    line = one_line_error(err)
+    assert "No space left on device" in line and "intact" in line and "--resume" in line
+    steps = sorted(int(n) for n in os.listdir(run / "checkpoints") if n.isdigit())
+    assert steps == [2]
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", save_fn)
+    train.run(train.load_experiment(str(config), [], []), resume=True, progress=False)  # step 2 restores
+    assert sorted(int(n) for n in os.listdir(run / "checkpoints") if n.isdigit()) == [2, 4]
+
+
+# ----------------------------------------------------------------------------- 5. bad input: one line, status 2
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["eval", "ruler", "m", "--lengths", ",", "--out", "x.json"], "--lengths"),
+    (["eval", "ruler", "m", "--lengths", "1024,x", "--out", "x.json"], "--lengths"),
+    (["eval", "ruler", "m", "--budgets", "0", "--out", "x.json"], "--budgets"),
+    (["eval", "perplexity", "m", "--data", "d.txt", "--max-windows", "0"], "--max-windows"),
+    (["eval", "perplexity", "m", "--data", "d.txt", "--seq-len", "0"], "--seq-len"),
+    (["eval", "approx", "t", "s", "--data", "d", "--num-seqs", "-2", "--out", "o"], "--num-seqs"),
+    (["eval", "lm-eval", "m", "--tasks", ","], "--tasks"),
+    (["eval", "lm-eval", "m", "--tasks", "piqa", "--limit", "0"], "--limit"),
+    (["generate", "m", "--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["linearize", "m", "--window", "-8", "--out", "o"], "--window"),
+    (["bench", "latency", "--lengths", "0,16"], "--lengths"),
+    (["bench", "latency", "--batch", "0"], "--batch"),
+    (["bench", "latency", "--implementations", "full,nope"], "--implementations"),
+])
+def test_bad_numbers_and_lists_are_refused_by_the_parser(argv, option, capsys):
+    status, _, err = run_cli(argv, capsys)
+    assert status == 2
+    assert "Traceback" not in err
+    assert f"error: argument {option}" in err.strip().splitlines()[-1]  # after argparse's usage line
+
+
+def test_a_gguf_file_missing_metadata_is_one_line(tmp_path, monkeypatch, capsys):
+    import gguf
+
+    monkeypatch.setenv("LINJAX_CACHE", str(tmp_path / "cache"))
+    path = str(tmp_path / "incomplete.gguf")
+    writer = gguf.GGUFWriter(path, "llama")  # no block_count, feed_forward_length, ...
+    writer.add_head_count(4)
+    writer.add_embedding_length(64)
+    writer.add_vocab_size(97)
+    writer.add_tensor("token_embd.weight", np.zeros((97, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    status, _, err = run_cli(["convert", path, "--out", tmp_path / "out"], capsys)
+    assert status == 2
+    line = one_line_error(err)
+    assert "incomplete.gguf" in line and "'llama.feed_forward_length'" in line and "convert" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_model_exits_with_status_2(tmp_path, capsys):
+    status, _, err = run_cli(["export", tmp_path / "no-such-model", "--out", tmp_path / "out"], capsys)
+    assert status == 2 and "not found" in one_line_error(err)
