@@ -6,7 +6,7 @@
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
-    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] --out DIR [--resume]
+    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] [--out DIR] [--resume]
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -105,11 +105,13 @@ def _ruler(args):
 def _lm_eval(args):
     from linjax.eval import lm_eval_bridge
 
+    out = args.out or lm_eval_bridge.default_out_dir(args.model, resume=args.resume)
+    print(f"lm-eval results will be written to {out}", flush=True)  # before the long run, as lm-eval's CLI
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
-                                num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=args.out,
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=out,
                                 share_prefixes=not args.no_shared_prefixes, resume=args.resume)
     print(result["table_markdown"])
-    print(f"→ {os.path.join(args.out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
+    print(f"→ {os.path.join(out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
 
 
 def add_eval_parser(sub) -> None:
@@ -192,10 +194,12 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="rows per forward pass of lm-eval's HFLM (with --no-shared-prefixes, and for requests longer "
                         "than the model's context)")
-    p.add_argument("--out", required=True, help="output directory (lm_eval_results.json, results.md)")
+    p.add_argument("--out", help="output directory (lm_eval_results.json, results.md); default: MODEL/lm_eval for a "
+                                 "model directory, else runs/lm-eval/<model name>, numbered -2, -3, ... when "
+                                 "earlier results are there")
     p.add_argument("--resume", action="store_true",
-                   help="go on from a killed or earlier run with the same settings in --out: its finished tasks "
-                        "and the requests it had scored are kept")
+                   help="go on from a killed or earlier run with the same settings in --out (without --out: the "
+                        "latest default directory): its finished tasks and the requests it had scored are kept")
     p.add_argument("--no-shared-prefixes", action="store_true",
                    help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
                         "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")

@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import math
 import os
+import re
 import tempfile
 import time
 
@@ -115,6 +117,25 @@ def hf_directory(model_spec: str):
         linjax.save_hf(model, os.path.join(tmp, "model"), tokenizer)
         del model
         yield os.path.join(tmp, "model")
+
+
+def default_out_dir(model_spec: str, resume: bool = False) -> str:
+    """Where `linjax eval lm-eval` writes without --out: MODEL/lm_eval for a model directory, else
+    runs/lm-eval/<model name>. Earlier results there are never overwritten: a new run takes the first
+    free of DIR, DIR-2, DIR-3, ...; with `resume`, the latest of them that holds results."""
+    if os.path.isdir(model_spec):
+        base = os.path.join(os.path.abspath(model_spec), "lm_eval")
+    else:  # a hub id, the embedded model's name, a .gguf file or an experiment TOML
+        name = os.path.splitext(os.path.basename(model_spec))[0] if os.path.isfile(model_spec) else model_spec
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "--", name).strip(".-") or "model"
+        base = os.path.abspath(os.path.join("runs", "lm-eval", name))
+    candidates = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
+    latest_with_results = None
+    for directory in candidates:
+        if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
+            return latest_with_results if resume and latest_with_results else directory
+        if os.path.isfile(os.path.join(directory, "lm_eval_results.json")):
+            latest_with_results = directory
 
 
 def _user_name(name: str) -> str:

@@ -7,6 +7,8 @@
   output or the last completed checkpoint intact and ends with one line (simulated: the tests run
   as root, where a read-only folder does not stop writes).
 - Bad numbers and lists on the command line are refused by the parser; user errors exit with 2.
+- `linjax eval lm-eval` without --out writes beside the model (or under runs/) and never over
+  earlier results unless --resume.
 """
 
 from __future__ import annotations
@@ -327,3 +329,35 @@ def test_a_gguf_file_missing_metadata_is_one_line(tmp_path, monkeypatch, capsys)
 def test_a_missing_model_exits_with_status_2(tmp_path, capsys):
     status, _, err = run_cli(["export", tmp_path / "no-such-model", "--out", tmp_path / "out"], capsys)
     assert status == 2 and "not found" in one_line_error(err)
+
+
+# ----------------------------------------------------------------------------- 6. lm-eval's default output
+
+
+def test_lm_eval_writes_to_a_default_directory_and_never_over_earlier_results(tmp_path, monkeypatch, capsys):
+    from linjax.eval import lm_eval_bridge
+
+    calls = []
+
+    def fake_run(model_spec, *, out_dir, resume, **kwargs):
+        calls.append((out_dir, resume))
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "lm_eval_results.json"), "w") as f:
+            json.dump({"model": model_spec}, f)
+        return {"table_markdown": "| task |", "seconds": 0.0}
+
+    monkeypatch.setattr(lm_eval_bridge, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    expected = [(model / "lm_eval", False), (model / "lm_eval-2", False), (model / "lm_eval-2", True)]
+    for i, (directory, resume) in enumerate(expected):
+        status, out, err = run_cli(["eval", "lm-eval", model, "--tasks", "piqa"] + ["--resume"] * resume, capsys)
+        assert status == 0, err
+        assert calls[i] == (str(directory), resume)
+        assert str(directory) in out  # says where it writes
+    status, out, err = run_cli(["eval", "lm-eval", "HuggingFaceTB/SmolLM2-135M", "--tasks", "piqa"], capsys)
+    assert status == 0, err
+    assert calls[-1] == (str(tmp_path / "runs" / "lm-eval" / "HuggingFaceTB--SmolLM2-135M"), False)
+    status, out, err = run_cli(["eval", "lm-eval", "m", "--tasks", "piqa", "--out", tmp_path / "mine"], capsys)
+    assert calls[-1] == (str(tmp_path / "mine"), False)
