@@ -235,6 +235,8 @@ def write_directory(directory: str, fill) -> str:
         _swap_in(staging, directory)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, WriteFailed):  # a nested output (convert's HF part): report the first cause
+            err = err.__cause__
         if isinstance(err, OSError):
             raise _write_error(directory, err) from err
         raise
@@ -247,7 +249,11 @@ def _swap_in(new: str, directory: str) -> None:
         return
     parent, name = os.path.split(directory)
     old = tempfile.mkdtemp(prefix=f".{name}.linjax-old-", dir=parent)
-    os.rename(directory, old)  # onto the empty directory just made: POSIX rename replaces it
+    try:
+        os.rename(directory, old)  # onto the empty directory just made: POSIX rename replaces it
+    except BaseException:
+        os.rmdir(old)
+        raise
     try:
         os.rename(new, directory)
     except BaseException:
@@ -256,14 +262,18 @@ def _swap_in(new: str, directory: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_error(directory: str, err: OSError) -> OSError:
+class WriteFailed(OSError):
+    """An output directory could not be written; the message says what is left and what to do."""
+
+
+def _write_error(directory: str, err: OSError) -> WriteFailed:
     """One line for people: what failed, that nothing was lost, what to do."""
     reason = err.strerror or str(err)
     if err.filename:
         reason += f" ({err.filename})"
     kept = "its earlier contents are intact" if os.path.isdir(directory) else "nothing was written there"
-    return OSError(err.errno, f"could not write {directory}: {reason}; {kept}. "
-                              "Free some space or choose another --out, then run the command again")
+    return WriteFailed(err.errno, f"could not write {directory}: {reason}; {kept}. Free some space, fix the "
+                                  "folder's permissions or choose another --out, then run the command again")
 
 
 def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:

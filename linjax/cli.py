@@ -224,16 +224,21 @@ def _generate(args):
     print(f"\n[{len(produced)} tokens in {elapsed:.1f}s, prompt {len(ids)} tokens]", file=sys.stderr)
 
 
+def _reraised_by_orbax(record) -> bool:
+    """Drops orbax's log of a failed background save thread (with its traceback): orbax raises the same
+    error again in the thread that saves, and `linjax train` reports that one as one line."""
+    return "_SignalingThread.run() raised an exception" not in record.getMessage()
+
+
 def _train(args):
     from linjax import train
     from linjax.train.sharding import maybe_initialize_distributed
 
     maybe_initialize_distributed()
     config = train.load_experiment(args.config, args.set, args.include)
-    # orbax logs a failure of one of its background save threads with its traceback, and raises it again
-    # in the thread that saves: that one is reported below, as one line.
-    logging.getLogger("absl").addFilter(
-        lambda record: "_SignalingThread.run() raised an exception" not in record.getMessage())
+    absl_logger = logging.getLogger("absl")
+    if _reraised_by_orbax not in absl_logger.filters:
+        absl_logger.addFilter(_reraised_by_orbax)
     try:
         train.run(config, resume=args.resume, progress=not args.no_progress)
     except OSError as err:

@@ -173,11 +173,12 @@ def test_an_interrupted_checkpoint_overwrite_leaves_the_earlier_checkpoint(tmp_p
 # ----------------------------------------------------------------------------- 11. full disk, unwritable folder
 
 
-def test_a_full_disk_during_export_keeps_the_previous_export(tiny_source, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["export", "convert"])
+def test_a_full_disk_during_export_keeps_the_previous_export(command, tiny_source, tmp_path, monkeypatch, capsys):
     import safetensors.numpy
 
     out = tmp_path / "export"
-    assert run_cli(["export", tiny_source, "--out", out], capsys)[0] == 0
+    assert run_cli([command, tiny_source, "--out", out], capsys)[0] == 0
     before = snapshot(out)
     save_file = safetensors.numpy.save_file
 
@@ -187,10 +188,11 @@ def test_a_full_disk_during_export_keeps_the_previous_export(tiny_source, tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.numpy, "save_file", disk_fills_up)
-    status, _, err = run_cli(["export", tiny_source, "--out", out], capsys)
+    status, _, err = run_cli([command, tiny_source, "--out", out], capsys)
     assert status == 2
     line = one_line_error(err)
     assert "No space left on device" in line and "intact" in line and str(out) in line
+    assert line.count("could not write") == 1
     assert snapshot(out) == before
     assert leftovers(tmp_path) == []
     monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
