@@ -55,8 +55,8 @@ def test_state_layout_and_unnormalised_mode():
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_reference_matches_fla_naive_linear_attn(dtype):
-    torch = pytest.importorskip("torch")
-    naive = fla_naive("linear_attn")
+    naive = fla_naive("linear_attn")  # skips, or fails in CI, without torch and fla-core
+    import torch
     (q, k, v), _ = random_inputs("linear_attn", 41, 70, 4, 16)
     o, state, _ = linear_attn.reference(q, k, v)
     t = lambda x: torch.tensor(np.asarray(x), dtype=getattr(torch, dtype))
