@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import itertools
 import json
 import math
@@ -193,19 +194,12 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     manager = task_manager(data_dir)
     results, groups, n_samples, configs, versions, seconds = {}, {}, {}, {}, {}, {}
     start = time.perf_counter()
-    if resume:
-        earlier = _finished_earlier(out_dir, model_spec, data_dir, limit, shots_of)
-        for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
-                            ("configs", configs), ("versions", versions)):
-            target.update(earlier.get(key, {}))  # written only once a task finished: all of it is kept
-        seconds.update(earlier.get("seconds_per_task", {}))  # tasks of theirs not asked for now stay too
-        finished = [t for t in tasks if t in seconds]
-        print(f"resuming {out_dir}: {len(finished)} of {len(tasks)} tasks already finished", flush=True)
+    digest = None
 
     def summary() -> dict:
         done = [t for t in tasks if t in seconds]
         out = {
-            "model": model_spec, "tasks": tasks, "finished_tasks": done,
+            "model": model_spec, "weights_sha256": digest, "tasks": tasks, "finished_tasks": done,
             "data_dir": os.path.abspath(data_dir) if local else None,
             "source": "local files" if local else "lm-eval hub tasks",
             "lm_eval_version": lm_eval.__version__, "limit": limit,
@@ -218,15 +212,26 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         out["table_markdown"] = table_markdown(out["results"], done)
         return out
 
-    # Every scored request goes into lm-eval's request cache (sqlite, committed as it is written), so a
-    # run killed inside a long task resumes at the request it had reached. Keyed by the request text
-    # only: it belongs to this out_dir's model and settings, which _finished_earlier checks.
-    requests_db = os.path.join(out_dir, "lm_eval_requests")  # lm-eval's CachingLM adds _rank<N>.db
-    if not resume:
-        for path in glob.glob(requests_db + "_rank*.db"):
-            os.remove(path)
-    _write(out_dir, summary())  # the settings before any work, for a later --resume to check
     with hf_directory(model_spec) as directory:
+        # What the scores depend on is the weights, not the path: a model retrained in place must not
+        # inherit the earlier model's finished tasks or cached request scores.
+        digest = weights_digest(directory)
+        if resume:
+            earlier = _finished_earlier(out_dir, model_spec, data_dir, limit, shots_of, digest)
+            for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
+                                ("configs", configs), ("versions", versions)):
+                target.update(earlier.get(key, {}))  # written only once a task finished: all of it is kept
+            seconds.update(earlier.get("seconds_per_task", {}))  # tasks of theirs not asked for now stay too
+            finished = [t for t in tasks if t in seconds]
+            print(f"resuming {out_dir}: {len(finished)} of {len(tasks)} tasks already finished", flush=True)
+        # Every scored request goes into lm-eval's request cache (sqlite, committed as it is written), so
+        # a run killed inside a long task resumes at the request it had reached. lm-eval keys it by the
+        # request text only, so the file is named after the weights' digest.
+        requests_db = os.path.join(out_dir, f"lm_eval_requests-{digest[:16]}")  # CachingLM adds _rank<N>.db
+        if not resume:
+            for path in glob.glob(os.path.join(out_dir, "lm_eval_requests*_rank*.db")):
+                os.remove(path)
+        _write(out_dir, summary())  # the settings before any work, for a later --resume to check
         lm_class = SharedPrefixHFLM if share_prefixes else HFLM
         lm = lm_class(pretrained=directory, trust_remote_code=True, device=_device(), dtype="float32",
                       batch_size=batch_size)
@@ -263,13 +268,31 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: dict) -> dict:
-    """The summary an earlier run left in out_dir ({} if none); refused if it was run with other settings."""
+def weights_digest(directory: str) -> str:
+    """SHA-256 over the files of an HF directory that decide its scores (config, weights, modeling
+    code), in name order: the identity of the model for resuming an evaluation."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(directory)):
+        if name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".py")):
+            digest.update(name.encode() + b"\0")
+            with open(os.path.join(directory, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: dict, digest: str) -> dict:
+    """The summary an earlier run left in out_dir ({} if none); refused if it was run with other settings
+    or on other weights."""
     path = os.path.join(out_dir, "lm_eval_results.json")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         earlier = json.load(f)
+    if earlier.get("weights_sha256") != digest:
+        raise ValueError(f"{path} was scored on other weights than {model_spec!r} has now (content digest "
+                         f"{str(earlier.get('weights_sha256'))[:16]} there, {digest[:16]} now): resuming would "
+                         "mix two models. Write to another --out, or run without --resume")
     theirs = (earlier.get("model"), earlier.get("data_dir"), earlier.get("limit"))
     ours = (model_spec, os.path.abspath(data_dir) if data_dir else None, limit)
     shots = {t: n for t, n in earlier.get("num_fewshot", {}).items() if t in shots_of}

@@ -216,6 +216,27 @@ def test_resume_keeps_finished_tasks_and_refuses_other_settings(tiny_source, sha
         lm_eval_bridge.run(tiny_source, tasks=["piqa"], data_dir=shared_data, limit=3, out_dir=out, resume=True)
 
 
+def test_resume_refuses_a_model_retrained_in_place(tiny_source, shared_data, tmp_path):
+    """Finished tasks and cached request scores belong to the weights, not to the path: a model
+    retrained at the same path must not inherit them."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_source, model)
+    out = str(tmp_path / "out")
+    lm_eval_bridge.run(str(model), tasks=["piqa"], data_dir=shared_data, limit=2, out_dir=out)
+    weights = str(model / "model.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.1  # "retrained": other weights, same path and settings
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="other weights"):
+        lm_eval_bridge.run(str(model), tasks=["piqa", "arc_easy"], data_dir=shared_data, limit=2, out_dir=out,
+                           resume=True)
+
+
 def test_resume_inside_a_task_rescores_only_what_was_not_scored(tiny_source, shared_data, tmp_path, monkeypatch):
     """A run killed halfway through a task keeps the requests it scored (lm-eval's sqlite request cache);
     --resume scores only the rest and gets the uninterrupted run's numbers."""
