@@ -1,9 +1,14 @@
 """`linjax run CONFIG.toml`: convert → linearize → train → evaluate → report.md, in one run directory.
 
-Each stage writes `RUN_DIR/stages/<stage>.json` when it finishes, atomically; a
-restarted run skips every stage whose file exists, and the training stage
-itself resumes from its last orbax checkpoint. So a run killed at any point
-and started again redoes at most the unfinished part of one stage.
+Each stage writes `RUN_DIR/stages/<stage>.json` when it finishes, atomically,
+with the settings its result depends on (`STAGE_SETTINGS`); a restarted run
+skips every stage whose file exists, and the training stage itself resumes from
+its last orbax checkpoint. So a run killed at any point and started again redoes
+at most the unfinished part of one stage. A restart whose config changes the
+settings of a finished stage is refused, naming them: a finished stage is never
+redone or deleted behind the user's back (new settings need a new run_dir).
+Only the report, which merely summarises the other stages, is rewritten when the
+stages it summarises change (e.g. an evaluation added to `eval.run`).
 
     convert     load the source (cached conversion), record its architecture and size
     train       `linjax.train.run` (linearizes, trains the new parameters, saves)
@@ -23,6 +28,36 @@ import time
 from linjax import watchdog
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
+
+
+# The config settings each stage's result depends on (sections, keys or key prefixes, as
+# `train.config.matches` reads them). Operational settings (how often training saves, the kernel that
+# computes the same function, ...) do not count, except train.steps: a finished training has its length.
+_TRAINED = ("model", "linearize", "data", "train")
+STAGE_SETTINGS = {"convert": ("model",), "train": _TRAINED,
+                  "perplexity": _TRAINED + ("eval.perplexity_",), "approx": _TRAINED + ("eval.approx_",),
+                  "lm_eval": _TRAINED + ("eval.lm_eval_", "eval.compare"),
+                  "ruler": _TRAINED + ("eval.ruler_", "eval.compare")}
+
+
+def stage_settings(config, stage: str, wanted=STAGES) -> dict:
+    """The flat settings {"train.lr": ...} that `stage`'s result depends on; the report's are those of
+    every stage it summarises (`wanted`), and which stages those are."""
+    from linjax.train.config import OPERATIONAL, flat_settings, matches
+
+    flat = flat_settings(config.to_dict())
+    if stage == "report":
+        names = tuple(p for s in wanted if s != "report" for p in STAGE_SETTINGS[s])
+        return {"stages": [s for s in wanted if s != "report"],
+                **{k: v for k, v in flat.items() if matches(k, names) and not _operational(k, OPERATIONAL)}}
+    return {k: v for k, v in flat.items() if matches(k, STAGE_SETTINGS[stage]) and not _operational(k, OPERATIONAL)}
+
+
+def _operational(key: str, operational) -> bool:
+    from linjax.train.config import matches
+
+    # eval settings are operational for training, not for the stage that evaluates; steps never here
+    return key != "train.steps" and not key.startswith("eval.") and matches(key, operational)
 
 
 def _stage_path(run_dir: str, stage: str) -> str:
@@ -154,6 +189,31 @@ def _load_stage(run_dir, stage):
         return json.load(f)
 
 
+def _check_finished_stages(run_dir: str, wanted: list[str], settings: dict) -> set[str]:
+    """The finished stages to skip; a ValueError naming every finished stage whose settings differ
+    from the config's now (the report excepted: it is rewritten instead)."""
+    from linjax.train.config import describe_changes, setting_changes
+
+    done, refused = set(), []
+    for stage in wanted:
+        finished = _load_stage(run_dir, stage)
+        if finished is None:
+            continue
+        if "settings" not in finished:  # a marker written before stages recorded their settings
+            done.add(stage)
+            continue
+        changes = setting_changes(finished["settings"], settings[stage])
+        if not changes:
+            done.add(stage)
+        elif stage != "report":
+            refused.append(f"{stage} ({describe_changes(changes)})")
+    if refused:
+        raise ValueError(f"{run_dir} has finished stages done with other settings: {'; '.join(refused)}. "
+                         "linjax run never redoes or deletes a finished stage: run the new settings in a new "
+                         "run_dir (--set run_dir=...), or restore the old ones")
+    return done
+
+
 _RUNNERS = {"convert": _convert, "train": _train, "perplexity": _perplexity, "approx": _approx,
             "lm_eval": _lm_eval, "ruler": _ruler, "report": _report}
 
@@ -163,12 +223,16 @@ def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_
     A stage that makes no progress for `watchdog_seconds` ends the process with an error naming
     it (None or 0: never); started again, the run resumes from the last finished stage."""
     run_dir = os.path.abspath(config.run_dir)
-    os.makedirs(os.path.join(run_dir, "stages"), exist_ok=True)
     wanted = [s for s in STAGES if s in ("convert", "train", "report") or s in config.eval.run]
+    settings = {stage: stage_settings(config, stage, wanted) for stage in wanted}
+    done = _check_finished_stages(run_dir, wanted, settings)
+    os.makedirs(os.path.join(run_dir, "stages"), exist_ok=True)
     for stage in wanted:
-        if os.path.exists(_stage_path(run_dir, stage)):
+        if stage in done:
             log(f"[linjax run] {stage}: already done, skipped")
             continue
+        if stage == "report" and os.path.exists(_stage_path(run_dir, stage)):
+            log("[linjax run] report: the stages it summarises changed, so it is written again")
         log(f"[linjax run] {stage} ...")
         start = time.perf_counter()
         with watchdog.watch(f"stage '{stage}' of linjax run", watchdog_seconds,
@@ -176,6 +240,7 @@ def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_
                                  "--watchdog SECONDS sets the limit (0: off)."):
             result = _RUNNERS[stage](config, run_dir)
         result["seconds"] = time.perf_counter() - start
+        result["settings"] = settings[stage]
         _record(run_dir, stage, result)
         log(f"[linjax run] {stage}: done in {result['seconds']:.0f}s")
     return os.path.join(run_dir, "report.md")

@@ -16,6 +16,7 @@ Relative paths are relative to the working directory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from typing import Any
 
@@ -134,6 +135,51 @@ class ExperimentConfig:
                 "train": {k: v for k, v in dataclasses.asdict(self.train).items() if v is not None},
                 "eval": {k: (list(v) if isinstance(v, tuple) else v)
                          for k, v in dataclasses.asdict(self.eval).items() if v is not None}}
+
+
+# Settings that may differ between the start of a run and its resumption: where and how often it
+# saves, how the same computation is sharded or which kernel computes it, and (for `linjax train`,
+# which ignores them) the evaluations. Anything else changes the experiment. `train.steps` may
+# change too (to extend a run); the run records it.
+OPERATIONAL = ("run_dir", "train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.mesh_data",
+               "train.mesh_fsdp", "linearize.kernel", "linearize.chunk", "eval")
+
+
+def flat_settings(raw: dict) -> dict:
+    """{"train.lr": 0.001, ...} from a config dict (ExperimentConfig.to_dict() or a stored config.json),
+    JSON-normalised (tuples as lists) so a stored and a new config compare equal when they agree."""
+    flat = {}
+    for key, value in json.loads(json.dumps(raw)).items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def matches(key: str, prefixes) -> bool:
+    """Whether `key` ("train.lr") is named by one of `prefixes`: a section ("train"), a key, or a key
+    prefix ending in "_" ("eval.ruler_")."""
+    return any(key == p or key.startswith(p + ".") or (p.endswith("_") and key.startswith(p)) for p in prefixes)
+
+
+def setting_changes(old: dict, new: dict, ignore=()) -> dict:
+    """{key: (old value, new value)} for every flat setting that differs, except those `ignore` names
+    (see `matches`). A setting absent on one side has its default there (a run recorded before linjax
+    had that setting used its default), else None (e.g. lr unset)."""
+    old, new = flat_settings(old), flat_settings(new)
+    defaults = flat_settings(ExperimentConfig(run_dir="", data=DataSection(paths=("",))).to_dict())
+    changes = {}
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, defaults.get(key)), new.get(key, defaults.get(key))
+        if before != after and not matches(key, ignore):
+            changes[key] = (before, after)
+    return changes
+
+
+def describe_changes(changes: dict) -> str:
+    """"train.lr 0.002 → 0.001, linearize.mechanism 'gdn' → 'gla'"."""
+    return ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changes.items())
 
 
 _SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "eval": EvalSection}

@@ -5,12 +5,19 @@ and optimizer state; the pretrained weights are a separate, frozen input to
 the jitted step and stay bit-identical. AdamW with a linear warm-up and cosine
 decay, gradient clipping at 1 (paper, appendix).
 
-A run directory holds `config.json`, `metrics.jsonl` (one JSON object per
-step), `checkpoints/<step>/` (orbax: trainable parameters, optimizer state
+A run directory holds `config.json` (the experiment the run was started with,
+and a `history` of its starts and resumptions), `metrics.jsonl` (one JSON object
+per step), `checkpoints/<step>/` (orbax: trainable parameters, optimizer state
 and the data position, saved together), and, once finished, `linjax.json` +
 `trainable/` so that `linjax.load(run_dir)` returns the trained model. The
 steps use no randomness (no dropout; the data order derives from the seed),
-so a resumed run repeats an uninterrupted one exactly.
+so a resumed run repeats an uninterrupted one exactly. A resumption with
+settings that change the experiment (anything but `train.steps` and the
+settings in `config.OPERATIONAL`) is refused, so one run directory never
+records two experiments. A kill at any moment, a checkpoint save included,
+loses only the steps since the last completed checkpoint: orbax writes each
+checkpoint to a temporary directory and renames it when complete, and a
+resumed run drops the metrics logged after that checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from flax import nnx
 from linjax import watchdog
 from linjax.layers import Trainable
 from linjax.train import sharding
+from linjax.train.config import OPERATIONAL, describe_changes, setting_changes
 from linjax.train.data import build_dataset
 from linjax.train.objectives import objective_loss
 
@@ -68,14 +76,49 @@ def _write_json(path: str, data):
 
 
 def _truncate_metrics(path: str, last_step: int):
-    """Drop metrics logged after the checkpoint a resumed run restarts from."""
+    """Drop metrics logged after the checkpoint a run (re)starts from (all of them when it starts
+    from step 0), and a last line that a kill cut short."""
     if not os.path.exists(path):
         return
+    kept = []
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record["step"] <= last_step:
+                kept.append(json.dumps(record) + "\n")
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+
+
+def _run_record(config, run_dir: str, step: int) -> dict:
+    """config.json for a run (re)starting at `step`: the experiment, and its history of starts and
+    resumptions. A resumption whose settings change the experiment is refused (ValueError)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    record = config.to_dict()
+    path = os.path.join(run_dir, "config.json")
+    if step == 0 or not os.path.exists(path):  # nothing trained yet: a fresh start
+        return {**record, "history": [{"event": "start", "time": now, "steps": config.train.steps}]}
+    with open(path) as f:
+        stored = json.load(f)
+    history = stored.pop("history", [])
+    changes = setting_changes(stored, record, ignore=OPERATIONAL)
+    if changes:
+        raise ValueError(f"{run_dir} was started with other settings: {describe_changes(changes)}; resuming would "
+                         "mix two experiments in one run. Resume with the original settings, or train the new "
+                         "ones in a new run_dir (only train.steps, checkpoint_every, keep_checkpoints, mesh_*, "
+                         "linearize.kernel/chunk and [eval] may change on --resume)")
+    if config.train.steps < step:
+        raise ValueError(f"train.steps={config.train.steps} is below the step of the last checkpoint in {run_dir} "
+                         f"({step}); resume with train.steps ≥ {step}")
+    entry = {"event": "resume", "time": now, "at_step": step}
+    changed = setting_changes(stored, record, ignore=("eval",))  # operational changes, recorded
+    if changed:
+        entry["changed"] = {k: list(v) for k, v in changed.items()}
+    return {**record, "history": history + [entry]}
 
 
 def run(config, resume: bool = False, progress: bool = True):
@@ -91,13 +134,22 @@ def run(config, resume: bool = False, progress: bool = True):
     checkpoint_dir = os.path.join(run_dir, "checkpoints")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     os.makedirs(run_dir, exist_ok=True)
+    # A save killed halfway leaves only a temporary directory, which orbax never lists as a step;
+    # cleanup_tmp_directories removes it at the next start.
     manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
-        max_to_keep=tc.keep_checkpoints, create=True, enable_async_checkpointing=False))
+        max_to_keep=tc.keep_checkpoints, create=True, enable_async_checkpointing=False,
+        cleanup_tmp_directories=True))
     if manager.latest_step() is not None and not resume:
         raise FileExistsError(f"{run_dir} already has checkpoints (step {manager.latest_step()}); "
                               "pass --resume to continue it, or choose another run_dir")
+    start_step = manager.latest_step() if resume and manager.latest_step() is not None else 0
+    try:
+        record = _run_record(config, run_dir, start_step)
+    except ValueError:
+        manager.close()
+        raise
     if jax.process_index() == 0:
-        _write_json(os.path.join(run_dir, "config.json"), config.to_dict())
+        _write_json(os.path.join(run_dir, "config.json"), record)
 
     model, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
     if tokenizer is None:
@@ -115,14 +167,14 @@ def run(config, resume: bool = False, progress: bool = True):
     opt_state = sharding.replicate(optimizer.init(trainable), mesh)
     dataset = build_dataset(config.data, tokenizer, seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed)
 
-    step = 0
-    if resume and manager.latest_step() is not None:
-        step = manager.latest_step()
+    step = start_step
+    if step:
         restored = manager.restore(step, args=ocp.args.Composite(
             train_state=ocp.args.StandardRestore({"trainable": trainable, "opt_state": opt_state}),
             data=ocp.args.JsonRestore()))
         trainable, opt_state = restored["train_state"]["trainable"], restored["train_state"]["opt_state"]
         dataset.restore(restored["data"])
+    if jax.process_index() == 0:
         _truncate_metrics(metrics_path, step)
 
     def save(at_step):
