@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -161,28 +160,80 @@ def _write_toml(path, config):
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tiny_source, corpus, tmp_path):
-    steps = 8
-    reference = experiment(tmp_path / "reference", tiny_source, corpus, steps=steps)
-    train.run(reference, progress=False)
+# `linjax train` that SIGKILLs itself when the checkpoint save of step AT reaches POINT:
+#   before_save    the step's metrics are logged, nothing of its checkpoint is written
+#   mid_save       the data position is written into orbax's temporary directory, not yet committed
+#   before_commit  every file of the checkpoint is written, orbax's final rename is not done
+#   after_save     the checkpoint is committed
+KILLING_TRAIN = r"""
+import os, signal, sys
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path import async_path
+
+point, at, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+
+save = ocp.CheckpointManager.save
+def killing_save(self, step, *args, **kwargs):
+    if point == "before_save" and str(step) == at: die()
+    saved = save(self, step, *args, **kwargs)
+    if point == "after_save" and str(step) == at: die()
+    return saved
+ocp.CheckpointManager.save = killing_save
+
+write_json = ocp.handlers.JsonCheckpointHandler._save_fn
+async def killing_write_json(self, x, directory):
+    await write_json(self, x, directory)
+    if point == "mid_save" and f"{at}.orbax-checkpoint-tmp" in str(directory): die()
+ocp.handlers.JsonCheckpointHandler._save_fn = killing_write_json
+
+rename = async_path.rename
+async def killing_rename(src, dst):
+    if point == "before_commit" and os.path.basename(str(dst)) == at: die()
+    return await rename(src, dst)
+async_path.rename = killing_rename
+
+from linjax.cli import main
+main(["train", *argv, "--no-progress"])
+"""
+
+
+def completed_checkpoints(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit()) if os.path.isdir(folder) else []
+
+
+def test_sigkill_at_any_point_then_resume_equals_an_uninterrupted_run(tiny_source, corpus, tmp_path):
+    """Killed before, inside, at the commit of and after checkpoint saves, one kill per process and each
+    started again with --resume: every kill loses only the steps since the last committed checkpoint,
+    and the finished run has the uninterrupted run's metrics and trained parameters."""
+    steps = 6  # checkpoints at 2, 4 and 6
+    reference = train.run(experiment(tmp_path / "reference", tiny_source, corpus, steps=steps), progress=False)
+    config = experiment(tmp_path / "killed", tiny_source, corpus, steps=steps)
     config_path = tmp_path / "killed.toml"
-    _write_toml(config_path, experiment(tmp_path / "killed", tiny_source, corpus, steps=steps))
-    process = subprocess.Popen(_train_command(config_path), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
-    checkpoint = tmp_path / "killed" / "checkpoints" / "4"
-    for _ in range(6000):  # poll for up to ~5 minutes
-        if checkpoint.exists() or process.poll() is not None:
-            break
-        time.sleep(0.05)
-    assert checkpoint.exists(), process.stderr.read().decode()[-2000:] if process.poll() is not None else "timeout"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (tmp_path / "killed" / "linjax.json").exists(), "the run finished before it could be killed"
-    result = subprocess.run(_train_command(config_path, "--resume"), cwd=tmp_path, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    got, expected = losses(tmp_path / "killed"), losses(tmp_path / "reference")
-    assert len(got) == steps
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    _write_toml(config_path, config)
+    # (kill point, step, the committed checkpoints the kill leaves)
+    kills = [("before_save", 2, []), ("mid_save", 2, []), ("before_commit", 4, [2]), ("after_save", 4, [2, 4]),
+             ("mid_save", 6, [2, 4])]
+    for i, (point, at, committed) in enumerate(kills):
+        resume = ["--resume"] if i else []
+        result = subprocess.run([sys.executable, "-c", KILLING_TRAIN, point, str(at), str(config_path), *resume],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert result.returncode == -signal.SIGKILL, f"{point} {at}: {result.stderr[-2000:]}"
+        assert completed_checkpoints(tmp_path / "killed") == committed, (point, at)
+    resumed = train.run(config, resume=True, progress=False)
+    assert completed_checkpoints(tmp_path / "killed") == [4, 6]
+    assert sorted(os.listdir(tmp_path / "killed" / "checkpoints")) == ["4", "6"]  # no half-written leftovers
+    records = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+               for name in ("reference", "killed")}
+    assert [r["step"] for r in records["killed"]] == list(range(1, steps + 1))
+    for key in ("loss", "grad_norm", "lr"):
+        np.testing.assert_allclose([r[key] for r in records["killed"]], [r[key] for r in records["reference"]],
+                                   rtol=0, atol=1e-6, err_msg=key)
+    trained = [jax.tree.leaves(nnx.state(model, Trainable)) for model in (resumed, reference)]
+    assert len(trained[0]) == len(trained[1]) > 0
+    for got, want in zip(*trained):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
 
 def test_eight_devices_train_like_one(tiny_source, corpus, tmp_path):
