@@ -11,6 +11,7 @@ Base tensors keep their HF names (convert/hf.py's table); each linear layer adds
     self_attn.beta_proj.{weight,bias}                             kGLA / GDN / gdn_scalar β
     self_attn.{query,key}_map.proj.{weight,bias}                  Hedgehog feature maps
     self_attn.{q,k,v}_conv.{weight,bias}                          short conv (torch Conv1d layout)
+    self_attn.output_gain                                         learned per-head gain [H] (output_gain)
 all in torch's [out, in] layout. LoRA has no tensors of its own: W + (alpha/rank)·A·B is
 merged into q/k/v/o_proj, which is exact because the mixer applies the adapted
 projections everywhere it uses them. Everything is written in float32, the dtype
@@ -95,6 +96,8 @@ def mixer_tensors(mixer, kind: str, prefix: str) -> dict:
         for name in ("query_map", "key_map"):
             feature_map = getattr(mixer, name)
             out.update(_linear(f"{prefix}.{name}.proj", feature_map.weight, feature_map.bias))
+    if mixer.output_gain is not None:
+        out[f"{prefix}.output_gain"] = _array(mixer.output_gain)
     if mixer.conv is not None:
         for name in "qkv":
             weight = _array(getattr(mixer.conv, f"{name}_weight"))  # [K, C] → Conv1d [C, 1, K]

@@ -30,12 +30,14 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
   whole prefix every step instead (exact, quadratic).
 
 Kernel math (linjax/kernels/*.py), per query head h reading kv head h // (H // Hkv),
-state S_t including token t, o_t = scale · S_tᵀ q_t, scale = Dk^-1/2:
+state S_t including token t, o_t = scale · S_tᵀ q_t, scale = the config's `linearize.scale`
+or by default Dk^-1/2 (1 for Hedgehog):
     GLA        S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ
     kGLA       GLA with the decay α_t ⊙ max(1 − β_t k_t², 1e-6)
     GDN        S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ   (α per channel)
     gdn_scalar the same with one α per head
-    Hedgehog   S_t = Σ φ(k_i)[v_i, 1]ᵀ, scale 1, normalised by the last column
+    Hedgehog   S_t = Σ φ(k_i)[v_i, 1]ᵀ, normalised by the last column
+With `linearize.output_gain`, o_t is multiplied by a learned per-head gain (`self_attn.output_gain`).
 Imports only torch, transformers and the standard library (`fla` optionally, on CUDA).
 """
 
@@ -380,15 +382,15 @@ class WindowAttention(Attention):
 
 
 class FeatureMap(nn.Module):
-    """Hedgehog's φ(x) = softmax(xW + b) ⊕ softmax(−(xW + b)), shared by the heads."""
+    """Hedgehog's φ(x) = softmax([2z, −2z]), z = xW + b, shared by the heads (FLA's HedgehogFeatureMap)."""
 
     def __init__(self, head_dim: int):
         super().__init__()
         self.proj = nn.Linear(head_dim, head_dim)
 
     def forward(self, x):
-        z = self.proj(x.float())
-        return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
+        z = 2 * self.proj(x.float())
+        return torch.cat([z, -z], dim=-1).softmax(-1)
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -592,6 +594,9 @@ class LinearAttention(Attention):
         self.window, self.sinks = int(settings.get("window", 0)), int(settings.get("sinks", 0))
         self.combine = settings.get("combine", "sum")
         d, H, hd = config.hidden_size, self.num_heads, self.head_dim
+        scale = settings.get("scale")
+        self.scale = float(scale) if scale is not None else (1.0 if kind == "hedgehog" else hd ** -0.5)
+        self.output_gain = nn.Parameter(torch.ones(H)) if settings.get("output_gain") else None
         if kind in ("gla", "kgla", "gdn"):  # low-rank per-channel gate: LogSigmoid(h W1 W2 + b)
             rank = int(settings.get("gate_rank", 16))
             self.gate_down = nn.Linear(d, rank, bias=False)
@@ -645,14 +650,17 @@ class LinearAttention(Attention):
                 cache.shifted = shifted
         k, v, *gates = linear_inputs
         H = self.num_heads
-        scale = 1.0 if self.kind == "hedgehog" else self.head_dim ** -0.5
-        lin, state = run_linear(self.form, self.kind, q.float(), expand_kv(k, H), expand_kv(v, H), gates, scale,
+        lin, state = run_linear(self.form, self.kind, q.float(), expand_kv(k, H), expand_kv(v, H), gates, self.scale,
                                 None if cache is None else cache.recurrent)
         if cache is not None:
             cache.recurrent = state
         normaliser = None
         if self.kind == "hedgehog":
             lin, normaliser = lin[..., :-1], lin[..., -1]
+        if self.output_gain is not None:  # linjax/mixers/linear.py `_apply_gain`
+            lin = lin * self.output_gain[:, None]
+            if normaliser is not None and self.window and self.combine == "sum":
+                normaliser = normaliser * self.output_gain
         if self.window:
             positions = token_positions(start, x.shape[1], x.device)
             keys, values, key_positions = ((softmax_k, softmax_v, positions) if cache is None

@@ -11,6 +11,7 @@ all of type `linjax.layers.Trainable`, which is what training optimises.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from flax import nnx
@@ -44,6 +45,11 @@ class LinearizeConfig:
     keep_full_attention: layer indices kept as softmax attention, or a fraction of the layers
         spread uniformly over depth.
     kernel: "chunked" (pure JAX, any backend) or "pallas" (GPU kernels; interpreted on CPU).
+    scale: the linear term's output scale, y = scale · qᵀS; None: each mechanism's default
+        (Dk^-1/2 as FLA's kernels for GLA, kGLA, GDN, gdn_scalar; 1 for Hedgehog). The paper
+        writes no scale (i.e. 1).
+    output_gain: a learned per-head gain (initialised to 1) on the linear term, one new
+        parameter per head and layer.
     """
 
     mechanism: str = "gdn"
@@ -58,6 +64,8 @@ class LinearizeConfig:
     lora_alpha: float = 16.0
     chunk: int | None = None  # the kernels' chunk length; None: each kernel's own default
     kernel: str = "chunked"
+    scale: float | None = None
+    output_gain: bool = False
 
     def __post_init__(self):
         if self.adapter in ("none", ""):  # TOML and the CLI have no None
@@ -85,6 +93,14 @@ class LinearizeConfig:
         for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.scale is not None:
+            number = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+            if not number or not 0 < self.scale < math.inf:
+                raise ValueError(f"scale must be a finite number > 0 (or None for the mechanism's default), "
+                                 f"got {self.scale!r}")
+            object.__setattr__(self, "scale", float(self.scale))
+        if not isinstance(self.output_gain, bool):
+            raise ValueError(f"output_gain must be true or false, got {self.output_gain!r}")
         keep = self.keep_full_attention
         if isinstance(keep, (list, tuple)):
             object.__setattr__(self, "keep_full_attention", tuple(int(i) for i in keep))

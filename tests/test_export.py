@@ -11,11 +11,12 @@ whose layer 5 is kept as softmax attention (keep_full_attention, the hybrid):
 an error in any layer shows in the logits. Both base models run the full adapter ×
 window grid: LLaMA with llama3 RoPE and q/k/v/o biases, Qwen3 with q/k norm and tied
 embeddings. The LLaMA run adds combine="mixed", the window-only baseline (mechanism
-"window", w56 s8) and a plain (not linearized) export that
+"window", w56 s8), a set `scale` with learned per-head output gains (moved off 1, as
+every new parameter) at w56 s8 and without a window, and a plain (not linearized) export that
 must load as LlamaForCausalLM. Greedy generation (20 tokens after a 70-token prompt, so
 the window and the shifted linear inputs roll over while decoding) is checked against
 `linjax.generate` with the cache and without it (every mechanism each time): LLaMA LoRA
-w56 s8, shortconv "mixed" w56 s8 and window-only w56 s8, Qwen3 shortconv without a
+w56 s8, shortconv "mixed" w56 s8, window-only w56 s8 and scale + gain w56 s8, Qwen3 shortconv without a
 window and plain w64 s0.
 
 Also here: FLA's chunk-kernel adapter (`fla_linear`) against the PyTorch chunked form,
@@ -54,8 +55,9 @@ def grid():
     return [(a, w, s) for a in ADAPTERS for (w, s) in WINDOWS]
 
 
-def build_case(model_type: str, adapter, window: int, sinks: int, combine: str = "sum", seed: int = 0):
-    """A linearized tiny model: layers 0-4 one per mechanism, layer 5 softmax; new parameters randomised."""
+def build_case(model_type: str, adapter, window: int, sinks: int, combine: str = "sum", seed: int = 0, **extra):
+    """A linearized tiny model: layers 0-4 one per mechanism, layer 5 softmax; new parameters randomised
+    (the output gains too, with `output_gain=True` in `extra`, the further LinearizeConfig settings)."""
     import jax
     from flax import nnx
 
@@ -66,7 +68,7 @@ def build_case(model_type: str, adapter, window: int, sinks: int, combine: str =
 
     config = base_config(model_type)
     settings = linjax.LinearizeConfig(mechanism=MECHANISMS[0], adapter=adapter, window=window, sinks=sinks,
-                                      combine=combine, keep_full_attention=(5,))
+                                      combine=combine, keep_full_attention=(5,), **extra)
     model = linjax.linearize(CausalLM(config, rngs=nnx.Rngs(seed)), settings, seed=seed)
     for i, mechanism in enumerate(MECHANISMS[1:], start=1):
         model.layers[i].attn = MIXERS[mechanism](model.layers[i].attn.proj, settings, rngs=nnx.Rngs(seed + i))
@@ -93,7 +95,8 @@ def window_only_case(model_type: str, seed: int = 0):
     return linjax.linearize(CausalLM(base_config(model_type), rngs=nnx.Rngs(seed)), settings, seed=seed)
 
 
-GENERATE_CASES = {"llama": ("llama-lora-w56-s8", "llama-mixed-w56-s8", "llama-window-w56-s8"),
+GENERATE_CASES = {"llama": ("llama-lora-w56-s8", "llama-mixed-w56-s8", "llama-window-w56-s8",
+                            "llama-scale-gain-w56-s8"),
                   "qwen3": ("qwen3-shortconv-w0-s0", "qwen3-None-w64-s0")}
 PROMPT = 70  # > window + sinks: decoding crosses into the linear state
 NEW_TOKENS = 20
@@ -116,6 +119,11 @@ def write_cases(model_type: str, root: str):
     if model_type == "llama":
         cases.append((f"{model_type}-mixed-w56-s8", build_case(model_type, "shortconv", 56, 8, combine="mixed")))
         cases.append((f"{model_type}-window-w56-s8", window_only_case(model_type)))
+        # A set scale (1, the paper's y = qᵀS; 0.5) and learned per-head gains, with a window and without.
+        cases.append((f"{model_type}-scale-gain-w56-s8", build_case(model_type, None, 56, 8, scale=1.0,
+                                                                    output_gain=True)))
+        cases.append((f"{model_type}-scale-gain-w0-s0", build_case(model_type, None, 0, 0, scale=0.5,
+                                                                   output_gain=True)))
     for name, model in cases:
         linjax.save_hf(model, os.path.join(root, name))
         np.savez(os.path.join(root, name + ".npz"), tokens=tokens,

@@ -96,6 +96,11 @@ def test_prefill_then_decode_equals_one_pass(one_layer_models, kind, mechanism, 
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 b = getattr(block.attn.lora, f"{name}_b")
                 b[...] = 0.05 * jax.random.normal(jax.random.key(1), b.shape)
+    assert_decode_equals_one_pass(model)
+
+
+def assert_decode_equals_one_pass(model):
+    """Prefill, decode and further prefills with the decode states give the logits of one full pass."""
     full, stateful = jitted(model)
     # A 40-token prompt (shorter than the window), 30 decode steps across the window's edge, then the
     # rest of a 150-token sequence as two more 40-token prefills (splits at 70 and 110, not chunk
@@ -116,6 +121,50 @@ def test_prefill_then_decode_equals_one_pass(one_layer_models, kind, mechanism, 
         pieces.append(logits)
     got = np.concatenate([np.asarray(p) for p in pieces], axis=1)
     assert relative_rms(got, expected) <= 1e-5
+
+
+def randomise_output_gain(model, seed=5):
+    """Moves every linear mixer's output gain off its initial 1 (different per head and layer, in
+    [0.5, 1.5]: positive, as Hedgehog's shared normaliser needs)."""
+    for i, block in enumerate(model.layers):
+        gain = getattr(block.attn, "output_gain", None)  # kept softmax layers have none
+        if gain is not None:
+            gain[...] = jax.random.uniform(jax.random.key(seed + i), gain.shape, minval=0.5, maxval=1.5)
+
+
+@pytest.mark.parametrize("mechanism,window,combine", [
+    ("gdn", "w56s8", "sum"), ("gla", "pure", "sum"),
+    ("hedgehog", "pure", "sum"), ("hedgehog", "w56s8", "sum"), ("hedgehog", "w56s8", "mixed"),
+])
+def test_scale_and_output_gain_decode_equals_one_pass(one_layer_models, mechanism, window, combine):
+    """A set scale (0.5: neither mechanism's default) and learned gains away from 1, decoded step by step."""
+    w, s = WINDOWS[window]
+    config = linjax.LinearizeConfig(mechanism=mechanism, window=w, sinks=s, combine=combine, scale=0.5,
+                                    output_gain=True, adapter="shortconv")
+    model = linjax.linearize(one_layer_models["qwen3"], config, seed=3)
+    randomise_output_gain(model)
+    assert_decode_equals_one_pass(model)
+
+
+def test_scale_and_output_gain_act_on_the_linear_term(one_layer_models):
+    """Without a window, y = g_h · scale · qᵀS: a gain of c on every head is the scale times c, and
+    a scale other than the default changes the output. The gain adds one parameter per head and layer."""
+    base = one_layer_models["llama"]
+    tokens = tokens_for(base, 24, seed=2)
+    run = lambda model: np.asarray(jitted(model)[0](tokens))
+    make = lambda **kw: linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0, **kw),
+                                         seed=1)
+    head_dim = base.config.head_dim
+    default, half = make(), make(scale=0.5)
+    assert relative_rms(run(make(scale=head_dim ** -0.5)), run(default)) == 0.0  # None is the kernels' Dk^-1/2
+    assert relative_rms(run(half), run(default)) > 1e-3
+    gained = make(scale=0.25, output_gain=True)
+    for block in gained.layers:
+        block.attn.output_gain[...] = jnp.full(block.attn.output_gain.shape, 2.0)
+    assert relative_rms(run(gained), run(half)) <= 1e-6
+    config = base.config
+    assert (linjax.trainable_parameter_count(gained) - linjax.trainable_parameter_count(default)
+            == config.num_hidden_layers * config.num_attention_heads)
 
 
 def test_keeping_every_layer_is_bitwise_the_original(tiny_models):
@@ -186,6 +235,11 @@ def test_linear_decode_states_do_not_grow_with_context(tiny_models):
     (dict(keep_full_attention=1.5), "fraction must be in"),
     (dict(mechanism="window", window=0, sinks=0), "needs window ≥ 1"),
     (dict(mechanism="window", adapter="shortconv"), "no linear part"),
+    (dict(scale=0), "scale must be a finite number > 0"),
+    (dict(scale=-1.0), "scale must be a finite number > 0"),
+    (dict(scale=float("inf")), "scale must be a finite number > 0"),
+    (dict(scale="1"), "scale must be a finite number > 0"),
+    (dict(output_gain="yes"), "output_gain must be true or false"),
 ])
 def test_bad_settings_are_refused(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -201,8 +255,9 @@ def test_linearized_checkpoint_round_trip(tiny_models, tmp_path):
     from linjax.convert.checkpoint import load_checkpoint, save_checkpoint
 
     config = linjax.LinearizeConfig(mechanism="hedgehog", window=8, sinks=2, adapter="lora",
-                                    keep_full_attention=(0,))
+                                    keep_full_attention=(0,), scale=0.5, output_gain=True)
     model = linjax.linearize(tiny_models["qwen3"], config, seed=4)
+    randomise_output_gain(model)
     save_checkpoint(model, str(tmp_path / "ckpt"))
     restored, _ = load_checkpoint(str(tmp_path / "ckpt"))
     assert restored.linearize_config == config
@@ -232,12 +287,15 @@ def test_jitted_equals_eager_at_head_dim_64(mechanism):
     assert relative_rms(np.asarray(jitted(model)[0](tokens)), np.asarray(model(tokens))) <= 1e-5
 
 
-@pytest.mark.parametrize("mechanism", ["gla", "gdn", "hedgehog"])
-def test_pallas_kernels_inside_the_model_match_chunked(tiny_models, mechanism):
+@pytest.mark.parametrize("mechanism,extra", [("gla", {}), ("gdn", {}), ("hedgehog", {}),
+                                             ("gdn", dict(scale=1.0, output_gain=True))])
+def test_pallas_kernels_inside_the_model_match_chunked(tiny_models, mechanism, extra):
     base = tiny_models["qwen3"]
-    settings = dict(mechanism=mechanism, window=8, sinks=2, adapter="shortconv")
+    settings = dict(mechanism=mechanism, window=8, sinks=2, adapter="shortconv", **extra)
     chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings), seed=1)
     pallas = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="pallas"), seed=1)
+    if extra.get("output_gain"):
+        randomise_output_gain(chunked), randomise_output_gain(pallas)
     tokens = tokens_for(base, 40, seed=6)
     assert relative_rms(np.asarray(jitted(pallas)[0](tokens)), np.asarray(jitted(chunked)[0](tokens))) <= 1e-5
 

@@ -1,10 +1,13 @@
 """Hedgehog: normalised linear attention with learned feature maps (paper, sec. 3.1.1).
 
     y_t = φ(q_t)ᵀ S_t / φ(q_t)ᵀ z_t,  S_t = Σ φ(k_i) v_iᵀ,  z_t = Σ φ(k_i)
-    φ(x) = softmax(x W + b) ⊕ softmax(−(x W + b))
+    φ(x) = softmax([2z, −2z]),  z = x W + b
 
 One map for queries and one for keys per layer, each W ∈ R^{D×D} shared by the
-heads and initialised to the identity (b to zero), as FLA's HedgehogFeatureMap.
+heads and initialised to the identity (b to zero). This is FLA's
+HedgehogFeatureMap, which the paper's appendix names as its feature map: one
+softmax over the 2D-dimensional concatenation (so φ(x) sums to 1), with the
+factor 2 on both halves.
 With a window, the softmax and linear parts share one normaliser (LoLCATs).
 """
 
@@ -20,19 +23,21 @@ from linjax.mixers.linear import LinearMixer
 
 
 class FeatureMap(nnx.Module):
+    """φ(x) = softmax([2z, −2z]) over the last axis, z = x @ weight + bias (weight [D, D], Flax's [in, out])."""
+
     def __init__(self, head_dim: int):
         self.weight = Trainable(jnp.eye(head_dim, dtype=jnp.float32))
         self.bias = Trainable(jnp.zeros((head_dim,), jnp.float32))
 
     def __call__(self, x):
-        z = x.astype(jnp.float32) @ self.weight[...] + self.bias[...]
-        return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1).astype(x.dtype)
+        z = 2 * (x.astype(jnp.float32) @ self.weight[...] + self.bias[...])
+        return jax.nn.softmax(jnp.concatenate([z, -z], axis=-1), axis=-1).astype(x.dtype)
 
 
 class Hedgehog(LinearMixer):
     kernel = linear_attn
     normalized = True
-    linear_scale = 1.0  # φ(q)ᵀφ(k) is already the kernel's similarity
+    linear_scale = 1.0  # default scale: φ(q)ᵀφ(k) is already the kernel's similarity
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)

@@ -11,6 +11,13 @@ as they are (post-RoPE), so inside the window the mixer is the original
 attention; the linear part uses them after the short convolution (if any)
 and the mechanism's feature transform (L2 normalisation, or Hedgehog's maps).
 
+The linear term is scaled by `scale` (LinearizeConfig; default: the
+mechanism's, Dk^-1/2 as in FLA's kernels, 1 for Hedgehog) and, with
+`output_gain`, by a learned per-head gain g_h (initialised to 1). The paper
+writes y = qᵀS with no scale; with L2-normalised q and k the delta rule's
+output is bounded by about scale · ‖v‖, so both let the linear part reach the
+output size of the softmax attention it replaces (issue 18).
+
 A subclass (one file per mechanism) provides the new parameters, `gates(h, k)`
 and `features(q, k)`, and names its kernel module in `linjax.kernels`.
 """
@@ -25,7 +32,7 @@ from flax import nnx
 
 from linjax.adapters import LoRA, ShortConv
 from linjax.kernels import swa
-from linjax.layers import AttentionProjections
+from linjax.layers import AttentionProjections, Trainable
 
 
 class LinearState(NamedTuple):
@@ -49,7 +56,7 @@ class LinearMixer(nnx.Module):
 
     kernel = None  # a module of linjax.kernels with reference/chunked/step/pallas
     normalized = False  # True for normalised linear attention (Hedgehog): shares the softmax normaliser
-    linear_scale = None  # the kernel's scale (None: Dk^-1/2)
+    linear_scale = None  # the mechanism's default scale (None: the kernel's Dk^-1/2)
 
     def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
         """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig."""
@@ -57,12 +64,15 @@ class LinearMixer(nnx.Module):
         self.window, self.sinks = settings.window, settings.sinks
         self.combine = settings.combine
         self.chunk = settings.chunk
+        self.scale = self.linear_scale if settings.scale is None else settings.scale
         self.use_pallas = settings.kernel == "pallas"
         heads, kv_heads, head_dim = proj.num_heads, proj.num_kv_heads, proj.head_dim
         self.lora = (LoRA(proj, rank=settings.lora_rank, alpha=settings.lora_alpha, rngs=rngs)
                      if settings.adapter == "lora" else None)
         self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel, rngs=rngs)
                      if settings.adapter == "shortconv" else None)
+        # A learned gain per head on the linear term; 1 at init, so the untrained model is unchanged.
+        self.output_gain = Trainable(jnp.ones((heads,), jnp.float32)) if settings.output_gain else None
 
     # ---------------------------------------------------------------- per mechanism
 
@@ -84,8 +94,8 @@ class LinearMixer(nnx.Module):
         extra = {"normalize": False} if self.normalized else {}
         if self.chunk is not None and not decode:
             extra["chunk"] = self.chunk
-        if self.linear_scale is not None:
-            extra["scale"] = self.linear_scale
+        if self.scale is not None:
+            extra["scale"] = self.scale
         if decode:
             out = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state, **extra)
             out = (out[0][:, None],) + tuple(out[1:])
@@ -152,6 +162,7 @@ class LinearMixer(nnx.Module):
         lin_k, lin_v, *lin_gates = linear_inputs
         lin_out, linear_state, normaliser = self._run_kernel(
             q, lin_k, lin_v, lin_gates, None if state is None else state.linear, decode)
+        lin_out, normaliser = self._apply_gain(lin_out, normaliser)
 
         if self.window:
             if state is None:
@@ -172,6 +183,26 @@ class LinearMixer(nnx.Module):
         if state is None:
             return out
         return out, LinearState(linear_state, start + t, conv_state, window_state, shifted_state)
+
+    def _apply_gain(self, lin_out, normaliser):
+        """The linear term [B,T,H,Dv] (and Hedgehog's normaliser [B,T,H]) times the per-head gain.
+
+        Scaling the numerator scales the linear output itself: after Hedgehog's own
+        normalisation when it has no window or combine="mixed". With combine="sum" and a
+        window, Hedgehog divides numerator + window numerator by one shared normaliser
+        (LoLCATs); there the gain multiplies the linear normaliser too, so the output stays
+        a convex combination of values, as the softmax it imitates, and g_h weighs the
+        linear part's attention mass against the window's (as a scale does in that form).
+        Scaling only the numerator would break that and leave the rows' weights summing to ≠ 1.
+        This form needs g_h > 0 (it starts at 1); the others take any sign.
+        """
+        if self.output_gain is None:
+            return lin_out, normaliser
+        gain = self.output_gain[...]
+        lin_out = lin_out.astype(jnp.float32) * gain[:, None]
+        if self.normalized and self.window and self.combine == "sum":
+            normaliser = normaliser * gain
+        return lin_out, normaliser
 
     def _window_chunk(self):
         return {} if self.chunk is None else {"chunk": self.chunk}
