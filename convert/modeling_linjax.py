@@ -55,6 +55,8 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 LINEAR_MIXERS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
+# The output field that generate feeds back as the next step's cache: `cache` from transformers 5.24 on.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 KEY_GATE_FLOOR = 1e-6  # kGLA: 1 − β k² is floored here (kernels/kgla.py)
 _MASKED = -1e30  # the window softmax's finite "−inf" (kernels/swa.py)
 
@@ -757,7 +759,11 @@ class LinjaxForCausalLM(LinjaxPreTrainedModel, GenerationMixin):
         self.model.embed_tokens = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                past_key_values=None, use_cache=None, logits_to_keep: int = 0, return_dict=None, **kwargs):
+                past_key_values=None, use_cache=None, logits_to_keep: int = 0, return_dict=None, cache=None,
+                **kwargs):
+        # transformers ≥ 5.24 names the decode cache `cache` (in generate's inputs and in the output);
+        # earlier versions `past_key_values`. Both are accepted and the output carries the one it has.
+        past_key_values = cache if cache is not None else past_key_values
         if input_ids is None:
             raise ValueError("LinjaxForCausalLM needs input_ids (inputs_embeds are not supported)")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -785,10 +791,11 @@ class LinjaxForCausalLM(LinjaxPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=None,
-                                      next_sequence_length=None, logits_to_keep=None, **kwargs):
+                                      next_sequence_length=None, logits_to_keep=None, cache=None, **kwargs):
+        past_key_values = cache if cache is not None else past_key_values  # see `forward`
         # With a cache only the tokens it has not seen go in (generate passes the whole sequence so far).
         if next_sequence_length is not None:
             input_ids = input_ids[:, -next_sequence_length:]
