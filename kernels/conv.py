@@ -17,6 +17,7 @@ x's dtype.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 DEFAULT_KERNEL_SIZE = 8
@@ -42,15 +43,45 @@ def empty_cache(batch, channels, kernel_size=DEFAULT_KERNEL_SIZE, dtype=jnp.floa
     return jnp.zeros((batch, kernel_size - 1, channels), dtype)
 
 
+def _taps(padded, w, length):
+    """Σ_i w[i] ⊙ padded[:, i:i + length]: K shifted multiply-adds, cheaper than a general conv."""
+    return sum(w[i] * padded[:, i:i + length] for i in range(w.shape[0]))
+
+
+@jax.custom_vjp
+def _causal_conv(padded, w):
+    """y [B,T,C] from padded [B,K−1+T,C] and w [K,C], fp32."""
+    return _taps(padded, w, padded.shape[1] - w.shape[0] + 1)
+
+
+def _causal_conv_forward(padded, w):
+    return _causal_conv(padded, w), (padded, w)
+
+
+def _causal_conv_backward(residuals, dy):
+    """The backward written out as the same kind of shifted multiply-adds. Autodiff of the K slices
+    would pad dy into K full-size buffers and add them: six times slower on CPU at SmolLM2's shapes,
+    which made the short conv cost as much as the rest of a linearized block's backward."""
+    padded, w = residuals
+    K, T = w.shape[0], dy.shape[1]
+    # d padded[s] = Σ_i w[i] dy[s − i]: the taps reversed, over dy padded by K − 1 on both sides.
+    dy_padded = jnp.pad(dy, ((0, 0), (K - 1, K - 1), (0, 0)))
+    d_padded = _taps(dy_padded, w[::-1], T + K - 1)
+    # d w[i] = Σ_{b,t} dy[b,t] ⊙ padded[b,t + i]: one contraction per tap.
+    windows = jnp.stack([padded[:, i:i + T] for i in range(K)])  # [K, B, T, C]
+    return d_padded, jnp.einsum("kbtc,btc->kc", windows, dy)
+
+
+_causal_conv.defvjp(_causal_conv_forward, _causal_conv_backward)
+
+
 def apply(x, weight, bias, cache=None):
     """Causal depthwise conv over [B,T,C] (any T ≥ 1), continuing from `cache`; returns (y, new_cache)."""
     B, T, C, K = _check(x, weight, bias, cache)
     if cache is None:
         cache = empty_cache(B, C, K, x.dtype)
     padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
-    w = weight.astype(jnp.float32)
-    # K shifted multiply-adds: cheaper than a general conv for K = 8 and exact in fp32.
-    y = sum(w[i] * padded[:, i:i + T].astype(jnp.float32) for i in range(K))
+    y = _causal_conv(padded.astype(jnp.float32), weight.astype(jnp.float32))
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype), padded[:, T:]

@@ -46,6 +46,30 @@ def test_matches_torch_conv1d_layout():
     assert relative_rms(y, expected.transpose(1, 2).numpy()) <= 1e-6
 
 
+@pytest.mark.parametrize("K, with_cache", [(8, False), (8, True), (4, True), (1, False)])
+def test_gradients_match_the_dense_convolution(K, with_cache):
+    """The hand-written backward (kernels/conv.py) against autodiff of the dense causal convolution
+    over [cache, x], for x, weight, bias and the cache."""
+    x, weight, bias = _inputs(K, K=K)
+    cache = jnp.asarray(np.random.default_rng(9).standard_normal((2, K - 1, 24)), jnp.float32) if with_cache else None
+    projection = jnp.asarray(np.random.default_rng(3).standard_normal(x.shape), jnp.float32)
+
+    def dense(x, weight, bias, cache):
+        history = jnp.zeros((2, K - 1, 24)) if cache is None else cache
+        padded = jnp.concatenate([history, x], axis=1)
+        rows = jnp.arange(x.shape[1])[:, None] + jnp.arange(K)[None, :]  # [T, K]: the window of t
+        return bias + jnp.einsum("btkc,kc->btc", padded[:, rows], weight)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(fn(*a)) * projection)
+
+    argnums = (0, 1, 2, 3) if with_cache else (0, 1, 2)
+    ours = jax.grad(loss(lambda *a: conv.apply(*a)[0]), argnums)(x, weight, bias, cache)
+    theirs = jax.grad(loss(dense), argnums)(x, weight, bias, cache)
+    for a, b in zip(ours, theirs):
+        assert relative_rms(a, b) <= 1e-6
+
+
 @pytest.mark.parametrize("split", [1, 3, 20])
 def test_split_prefill_then_step_equals_dense(split):
     x, weight, bias = _inputs(split)
