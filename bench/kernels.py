@@ -25,7 +25,7 @@ CPU they only run in the interpreter.
 GFLOP/s use nominal FLOP counts (see `flops`), the same count for every
 implementation of one mechanism, next to the fp32 matmul rate measured
 with jnp at the start. Prints a Markdown table; writes JSON (default
-bench/results/kernels.json).
+results/bench/kernels.json).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="D = 64, T ∈ {512, 1024} only")
     p.add_argument("--targets", action="store_true",
                    help="only what the speed targets need: GDN and SDPA, D = 128, T ∈ {1024, 4096, 16384}")
-    p.add_argument("--out", default="bench/results/kernels.json", help="JSON results path")
+    p.add_argument("--out", default="results/bench/kernels.json", help="JSON results path")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for torch and XLA (default: all cores)")
     return p.parse_args()

@@ -1,7 +1,7 @@
 """Decode latency and peak memory against prompt length: full attention with a KV cache vs the linearized model.
 
     python bench/latency.py [--lengths 1024,2048,4096,8192,16384,32768] [--implementations full,linearized,transformers]
-                            [--real-prefill] [--threads N] [--out bench/results/latency]
+                            [--real-prefill] [--threads N] [--out results/bench/latency]
 
 The paper's protocol (batch 8, prompt of L tokens, 16 greedy decode steps timed end to end, peak
 memory) for linjax full attention, the linearized model (GDN + window 56 + sinks 8 + short conv)

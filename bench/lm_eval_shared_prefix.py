@@ -1,7 +1,7 @@
 """lm-eval time with SharedPrefixHFLM against lm-eval's HFLM, on the same tasks and model.
 
     python bench/lm_eval_shared_prefix.py [--model runs/smollm2-hf] [--tasks mmlu_anatomy,hellaswag]
-        [--limit 100] [--data-dir ../shared/data] [--out bench/results/lm_eval_shared_prefix.json]
+        [--limit 100] [--data-dir ../shared/data] [--out results/bench/lm_eval_shared_prefix.json]
 
 Runs `linjax eval lm-eval` once with each scorer (HFLM with --batch-size, then SharedPrefixHFLM),
 one task at a time, and reports seconds per task and every metric of both: the metrics must
@@ -33,7 +33,7 @@ def main(argv=None):
     parser.add_argument("--limit", type=float, default=100)
     parser.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
     parser.add_argument("--batch-size", type=int, default=16, help="HFLM's batch size")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lm_eval_shared_prefix.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "bench", "lm_eval_shared_prefix.json"))
     args = parser.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     runs = {}

@@ -1,6 +1,6 @@
 """Training throughput: tokens/s of one jitted training step on smollm2-135m (this machine).
 
-    python bench/train.py [--seq-lens 1024,4096] [--repeats 3] [--out bench/results/train.json]
+    python bench/train.py [--seq-lens 1024,4096] [--repeats 3] [--out results/bench/train.json]
 
 For GDN + window 56 + sinks 8 + short conv (the paper's final recipe) and for
 pure GLA: state placed as `linjax train` places it, one compiling step and one
@@ -42,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench/results/train.json")
+    parser.add_argument("--out", default="results/bench/train.json")
     args = parser.parse_args()
     base, _ = linjax.load("smollm2-135m")
     mesh = sharding.make_mesh()

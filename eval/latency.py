@@ -21,7 +21,7 @@ is measured), so its peak memory is its own, and an out-of-memory kill is record
 fit" instead of ending the benchmark. L grows per implementation until a point does not fit; a
 KV-cache point whose cache alone exceeds the available memory is not started.
 
-    python bench/latency.py --lengths 1024,2048 --out bench/results/latency
+    python bench/latency.py --lengths 1024,2048 --out results/bench/latency
     linjax bench latency --lengths 1024,2048,4096,8192,16384,32768 --out results/latency
 """
 
