@@ -7,9 +7,12 @@ loads with trust_remote_code=True), or anything `linjax.eval.models.load_model` 
 (smollm2-135m, a checkpoint, a training run directory, ...), exported on the fly with
 `linjax.save_hf` into a temporary directory. It is scored in float32 (on CUDA when torch sees
 a GPU) by `SharedPrefixHFLM` (eval/shared_prefix_lm.py): lm-eval's HFLM with each shared
-context prefix computed once, the same log-likelihoods in a fraction of the tokens (MMLU
-5-shot 5.5× faster on CPU); `share_prefixes=False` uses HFLM as it is. Results are written
-after every task; `resume=True` keeps the tasks an interrupted run finished.
+context prefix computed once: the same log-likelihoods, computed with fewer tokens (MMLU
+5-shot repeats its few-shot prefix before every question); `share_prefixes=False` uses HFLM
+as it is. Results are written after every task; `resume=True` keeps the tasks an interrupted
+run finished. `samples=True` also writes each task's per-document scores (`sample_records`)
+to samples_<task>.jsonl: tests/test_lm_eval.py pins them for SmolLM2-135M against lm-eval's
+stock HFLM on the model transformers loads from the GGUF (tests/fixtures/make_lm_eval_expected.py).
 
 Tasks (user names): piqa, arc_easy, arc_challenge, hellaswag, winogrande (0-shot),
 mmlu (5-shot), lambada_openai (0-shot; perplexity and acc); also one MMLU subject,
@@ -92,6 +95,42 @@ def load_tasks(names, data_dir: str | None = None):
     return task_manager(data_dir).load([task_name(n, local) for n in names])["tasks"]
 
 
+def evaluate_task(lm, name: str, *, num_fewshot: int, limit, manager, log_samples: bool = False,
+                  use_cache: str | None = None) -> dict:
+    """lm-eval's simple_evaluate of one lm-eval task name with the bridge's settings (seeds, bootstrap)."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=num_fewshot, limit=limit,
+                                   task_manager=manager, log_samples=log_samples, bootstrap_iters=1000,
+                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                   fewshot_random_seed=0, use_cache=use_cache)
+
+
+def _short_hash(x) -> str:
+    return hashlib.sha256(json.dumps(x, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def sample_records(samples) -> list[dict]:
+    """Per-document scores of one task from lm-eval's logged samples (simple_evaluate(log_samples=True)):
+    doc_id, lm-eval's doc_hash, the target, one 16-hex SHA-256 of each request's [context, continuation]
+    (a changed prompt, target or document changes it), the continuations, each request's log-likelihood
+    and is_greedy flag, the chosen answer (the highest log-likelihood; None for a single request, as
+    LAMBADA's) and lm-eval's per-document metrics. In doc_id order."""
+    records = []
+    for s in sorted(samples, key=lambda s: s["doc_id"]):
+        scores = [r[0] for r in s["resps"]]  # one (log-likelihood, is_greedy) per request
+        lls = [float(ll) for ll, _ in scores]
+        records.append({
+            "doc_id": int(s["doc_id"]), "doc_hash": s.get("doc_hash"), "target": _jsonable(s["target"]),
+            "requests": [_short_hash([str(a) for a in args]) for args in s["arguments"]],
+            "continuations": [str(args[-1]) for args in s["arguments"]],
+            "loglikelihoods": lls, "is_greedy": [bool(g) for _, g in scores],
+            "chosen": max(range(len(lls)), key=lls.__getitem__) if len(lls) > 1 else None,
+            "metrics": {m: _jsonable(s[m]) for m in s.get("metrics", []) if m in s},
+        })
+    return records
+
+
 def is_hf_directory(path: str) -> bool:
     """A transformers model directory (config.json with a model_type), not e.g. a training run directory,
     whose config.json is the experiment."""
@@ -169,13 +208,14 @@ def _jsonable(x):
 
 def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | float | None = None,
         num_fewshot: int | None = None, batch_size: int = 8, out_dir: str, share_prefixes: bool = True,
-        resume: bool = False) -> dict:
+        resume: bool = False, samples: bool = False) -> dict:
     """Evaluates a model on user-named tasks; writes lm_eval_results.json and results.md to out_dir.
 
     share_prefixes: score through `SharedPrefixHFLM` (each shared context prefix computed once; the same
     log-likelihoods as lm-eval's HFLM, which `share_prefixes=False` uses, in far fewer tokens).
     resume: keep what an earlier run with the same model and settings did in out_dir: its finished
     tasks, and the requests it scored of the task it was killed in (the model files must be unchanged).
+    samples: also write samples_<task>.jsonl (one `sample_records` record a line) for every leaf task run.
     """
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -241,17 +281,16 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
                 continue
             t0 = time.perf_counter()
             try:
-                out = lm_eval.simple_evaluate(model=lm, tasks=[names[t]], num_fewshot=shots_of[t],
-                                              limit=limit, task_manager=manager, log_samples=False,
-                                              bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
-                                              torch_random_seed=0, fewshot_random_seed=0,
-                                              use_cache=requests_db)
+                out = evaluate_task(lm, names[t], num_fewshot=shots_of[t], limit=limit, manager=manager,
+                                    log_samples=samples, use_cache=requests_db)
             finally:  # each call opens its own connection to the request cache
                 database = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
                 if database is not None:
                     database.close()
             seconds[t] = time.perf_counter() - t0
             print(f"lm-eval {t}: {seconds[t]:.1f} s", flush=True)
+            for name, logged in (out.get("samples") or {}).items():
+                _write_samples(out_dir, _user_name(name), sample_records(logged))
             for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
                                 ("configs", configs), ("versions", versions)):
                 for name, value in (out.get(key) or {}).items():
@@ -301,6 +340,13 @@ def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: 
                          f"few-shot {earlier.get('num_fewshot')}; this one is {ours[0]!r}, {ours[1]!r}, {ours[2]!r}, "
                          f"{shots_of}. Resume with the same settings, or write to another --out")
     return earlier
+
+
+def _write_samples(out_dir: str, task: str, records) -> None:
+    """samples_<task>.jsonl, atomically."""
+    from linjax.eval.cli import write_text
+
+    write_text(os.path.join(out_dir, f"samples_{task}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _write(out_dir: str, summary: dict) -> None:
