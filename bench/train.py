@@ -1,11 +1,18 @@
-"""Training throughput: tokens/s of one jitted training step on smollm2-135m (this machine).
+"""Training speed on smollm2-135m, linjax side by side with PyTorch, in one run on this machine.
 
-    python bench/train.py [--seq-lens 1024,4096] [--repeats 3] [--out results/bench/train.json]
+    python bench/train.py [--seq-lens 512,1024,4096] [--repeats 3] [--out results/bench/train.json]
 
-For GDN + window 56 + sinks 8 + short conv (the paper's final recipe) and for
-pure GLA: state placed as `linjax train` places it, one compiling step and one
-warm-up step, then `--repeats` timed steps (median), batch 1.
-Prints a Markdown table and writes JSON.
+Rows, batch 1, fp32, each the median of `--repeats` timed calls after one compiling call and
+one warm-up call:
+- "forward + loss": next-token cross-entropy of the pretrained model (no gradient);
+- "floor": the loss and its gradient with respect to the input embeddings, every weight
+  frozen. Any training step of new parameters inside the model pays at least this;
+- the training step (`make_train_step`, as `linjax train` runs it: loss, gradient of the
+  trainable parameters, clipping, AdamW) of the paper's final recipe (GDN + window 56 +
+  sinks 8 + short conv), of GDN + w56 + s8 without the convolution, and of pure GLA.
+PyTorch: transformers' LlamaForCausalLM from the same GGUF file, SDPA attention, with as many
+threads as JAX uses cores. Prints a Markdown table and writes JSON (rewritten after every
+row, so a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -23,67 +30,155 @@ import time
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import linjax
 from linjax.layers import Trainable
+from linjax.scan import run_layers
+from linjax.train import sharding
 from linjax.train.config import TrainSection
 from linjax.train.loop import make_optimizer, make_train_step
-from linjax.train import sharding
+from linjax.train.objectives import next_token_loss
 
-SETTINGS = {
+STEPS = {
     "gdn+w56+s8+shortconv": linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv"),
+    "gdn+w56+s8": linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8),
     "gla (pure)": linjax.LinearizeConfig(mechanism="gla", window=0, sinks=0),
 }
 
 
+def timed(call, repeats):
+    """(first call in s, median of `repeats` calls after one warm-up) for a blocking call."""
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times)
+
+
+def torch_calls(seq_len):
+    """PyTorch's forward + loss and floor for one random batch of `seq_len` tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from linjax.convert.sources import embedded_gguf_path
+
+    torch.set_num_threads(os.cpu_count())
+    path = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32, attn_implementation="sdpa").eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tokens = torch.from_numpy(batch_tokens(seq_len).astype(np.int64))
+
+    def forward():
+        with torch.no_grad():
+            model(input_ids=tokens, labels=tokens).loss.item()
+
+    def floor():
+        embeds = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
+        model(inputs_embeds=embeds, labels=tokens).loss.backward()
+        embeds.grad.sum().item()
+
+    return {"forward + loss": forward, "floor": floor}
+
+
+def linjax_calls(base, seq_len):
+    """linjax's forward + loss and floor, jitted, weights passed as arguments (as in training)."""
+    graphdef, params = nnx.split(base)
+    tokens = jnp.asarray(batch_tokens(seq_len))
+
+    def loss_from_embeddings(embeddings, params, tokens):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.arange(tokens.shape[1] - 1, dtype=jnp.int32)[None]
+        x, _ = run_layers(model.layers, embeddings, positions, remat=model.remat)
+        logits = model.logits(model.norm(x)).astype(jnp.float32)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
+        return -jnp.mean(picked)
+
+    forward = jax.jit(lambda params, tokens: next_token_loss(nnx.merge(graphdef, params), tokens))
+    floor = jax.jit(lambda params, tokens: jax.grad(loss_from_embeddings)(
+        nnx.merge(graphdef, params).embed_tokens(tokens[:, :-1]), params, tokens))
+    return {"forward + loss": lambda: jax.block_until_ready(forward(params, tokens)),
+            "floor": lambda: jax.block_until_ready(floor(params, tokens))}
+
+
+def train_step_call(base, config, seq_len, mesh):
+    """One `linjax train` step of `config`, state placed exactly as the training loop places it."""
+    model = linjax.linearize(base, config, seed=1)
+    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+    frozen = sharding.shard_frozen(frozen, mesh)
+    optimizer, _ = make_optimizer(TrainSection(steps=100, seq_len=seq_len, warmup_steps=10), config.adapter)
+    step = make_train_step(graphdef, optimizer, "ce", mesh)
+    state = [sharding.replicate(jax.tree.map(lambda x: x.copy(), trainable), mesh),
+             sharding.replicate(optimizer.init(trainable), mesh)]
+    batch = sharding.put_batch(batch_tokens(seq_len), mesh)
+
+    def call():
+        *new_state, metrics = step(*state, frozen, batch)
+        jax.block_until_ready(metrics)
+        state[:] = new_state
+
+    return call
+
+
+def batch_tokens(seq_len):
+    return np.random.default_rng(0).integers(0, 49152, (1, seq_len), dtype=np.int32)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", default="1024,4096")
+    parser.add_argument("--seq-lens", default="512,1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="results/bench/train.json")
     args = parser.parse_args()
     base, _ = linjax.load("smollm2-135m")
     mesh = sharding.make_mesh()
+    import torch
+
+    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+               "jax": jax.__version__, "torch": torch.__version__, "backend": jax.default_backend(),
+               "xla_flags": os.environ.get("XLA_FLAGS", "")}
     rows = []
-    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-               "backend": jax.default_backend()}
-    # Short sequences first, and the JSON rewritten after every row: a long sequence that runs
-    # out of memory (the kernel kills the process) leaves the rows measured before it.
+
+    def record(framework, what, seq_len, call):
+        first, median = timed(call, args.repeats)
+        rows.append({"framework": framework, "what": what, "seq_len": seq_len, "seconds": median,
+                     "tokens_per_s": seq_len / median, "first_call_s": first, "repeats": args.repeats})
+        print(f"{framework:8s} {what:32s} T={seq_len}: {median:.2f} s (first {first:.1f} s)", flush=True)
+        _write_json(args.out, {"machine": machine, "rows": rows})
+
+    # Short sequences first: a long one that runs out of memory leaves the rows measured before it.
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
-        for name, config in SETTINGS.items():
-            model = linjax.linearize(base, config, seed=1)
-            graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
-            frozen = sharding.shard_frozen(frozen, mesh)
-            optimizer, _ = make_optimizer(TrainSection(steps=100, seq_len=seq_len, warmup_steps=10), config.adapter)
-            step = make_train_step(graphdef, optimizer, "ce", mesh)
-            # Placed exactly as the training loop places them: otherwise the second call recompiles.
-            state = (sharding.replicate(jax.tree.map(lambda x: x.copy(), trainable), mesh),
-                     sharding.replicate(optimizer.init(trainable), mesh))
-            batch = sharding.put_batch(
-                np.random.default_rng(0).integers(0, base.config.vocab_size, (1, seq_len), dtype=np.int32), mesh)
-            start = time.perf_counter()
-            *state, metrics = step(*state, frozen, batch)
-            jax.block_until_ready(metrics)
-            compile_s = time.perf_counter() - start
-            *state, metrics = step(*state, frozen, batch)  # warm-up: first-touch allocations
-            jax.block_until_ready(metrics)
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                *state, metrics = step(*state, frozen, batch)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - start)
-            median = statistics.median(times)
-            rows.append({"setting": name, "seq_len": seq_len, "step_s": median, "tokens_per_s": seq_len / median,
-                         "first_step_s": compile_s, "repeats": args.repeats})
-            print(f"{name} L={seq_len}: {median:.2f} s/step, {seq_len / median:.0f} tokens/s", flush=True)
-            _write_json(args.out, {"machine": machine, "rows": rows})
-    print("\n| setting | seq len | s / step | tokens / s | first step (compile) s |\n|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['setting']} | {r['seq_len']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['first_step_s']:.1f} |")
+        for what, call in torch_calls(seq_len).items():
+            record("PyTorch", what, seq_len, call)
+        for what, call in linjax_calls(base, seq_len).items():
+            record("linjax", what, seq_len, call)
+        for name, config in STEPS.items():
+            record("linjax", f"train step: {name}", seq_len, train_step_call(base, config, seq_len, mesh))
+    print(markdown(rows))
     print(f"wrote {args.out}")
+
+
+def markdown(rows) -> str:
+    """One row per measurement, one column per sequence length (seconds; first call in brackets)."""
+    lengths = sorted({r["seq_len"] for r in rows})
+    names = list(dict.fromkeys((r["framework"], r["what"]) for r in rows))
+    by_key = {(r["framework"], r["what"], r["seq_len"]): r for r in rows}
+    lines = ["| | " + " | ".join(f"T {n:,}: s (first call)" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for framework, what in names:
+        cells = [f"{r['seconds']:.2f} ({r['first_call_s']:.1f})" if (r := by_key.get((framework, what, n))) else "–"
+                 for n in lengths]
+        lines.append(f"| {framework} {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _write_json(path, result):

@@ -7,30 +7,10 @@ Public API:
                                                         # (linearized: modeling code, trust_remote_code=True)
 """
 
-import importlib.metadata as _metadata
-import os as _os
-
-
-def _avoid_known_cpu_miscompile():
-    """jaxlib 0.10's XLA:CPU "ynn" fusion miscompiles chunked linear attention when the initial
-    state is a constant built inside `jit` (outputs around 1e30, no error; found by our kernel
-    tests at head dim 64). Turning that fusion off costs nothing measurable. It must be set before
-    JAX creates its CPU backend, and only for the versions that have the flag."""
-    try:
-        version = _metadata.version("jaxlib")
-    except _metadata.PackageNotFoundError:
-        return
-    flags = _os.environ.get("XLA_FLAGS", "")
-    if version.startswith("0.10.") and "xla_cpu_experimental_ynn_fusion_type" not in flags:
-        _os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=".strip()
-
-
-_avoid_known_cpu_miscompile()
-
-from linjax.config import ModelConfig  # noqa: E402
-from linjax.generate import generate  # noqa: E402
-from linjax.linearize import LinearizeConfig, linearize, trainable_parameter_count  # noqa: E402
-from linjax.model import CausalLM, abstract_model, parameter_count  # noqa: E402
+from linjax.config import ModelConfig
+from linjax.generate import generate
+from linjax.linearize import LinearizeConfig, linearize, trainable_parameter_count
+from linjax.model import CausalLM, abstract_model, parameter_count
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,10 @@ What it does differently from the Hugging Face modules it mirrors:
 - each block's attention is a *mixer* (`block.attn`), which linearization
   swaps for a linear mechanism while keeping the pretrained projections;
 - decoding state is a per-layer list of pytrees (KV caches here), passed in
-  and returned explicitly instead of living inside the module.
+  and returned explicitly instead of living inside the module;
+- runs of identical blocks execute as one `lax.scan` (linjax/scan.py), so a
+  30-layer model compiles one block per layer type; `scan_layers` and `remat`
+  choose how.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from flax import nnx
 from linjax.config import ModelConfig
 from linjax.layers import MLP, RMSNorm
 from linjax.mixers.softmax import SoftmaxAttention
+from linjax.scan import REMAT_POLICIES, run_layers
+
+SCAN_MODES = ("forward", "always", "never")
 
 
 class DecoderBlock(nnx.Module):
@@ -47,6 +53,11 @@ class CausalLM(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.linearize_config = None  # set by `linjax.linearize`
+        # "forward": scan runs of identical blocks in calls without decoding states (training,
+        # scoring); "always": in decoding too (each call stacks the weights, which costs more than
+        # a small model's one-token step); "never": the plain Python loop, the reference.
+        self.scan_layers = "forward"
+        self.remat = None  # None, "full" or "dots" (linjax.scan.REMAT_POLICIES), inside the scan
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(config, dtype=dtype, rngs=rngs)
@@ -72,13 +83,19 @@ class CausalLM(nnx.Module):
             offset = 0 if states is None else _cache_length(states)
             positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed_tokens(tokens)
-        new_states = None if states is None else []
-        for i, block in enumerate(self.layers):
-            if states is None:
-                x = block(x, positions)
-            else:
-                x, layer_state = block(x, positions, states[i])
-                new_states.append(layer_state)
+        if self.scan_layers not in SCAN_MODES or (self.remat is not None and self.remat not in REMAT_POLICIES):
+            raise ValueError(f"scan_layers={self.scan_layers!r}, remat={self.remat!r}; choose scan_layers from "
+                             f"{SCAN_MODES} and remat from None, {', '.join(map(repr, REMAT_POLICIES))}")
+        if self.scan_layers == "always" or (self.scan_layers == "forward" and states is None):
+            x, new_states = run_layers(self.layers, x, positions, states, remat=self.remat)
+        else:
+            new_states = None if states is None else []
+            for i, block in enumerate(self.layers):
+                if states is None:
+                    x = block(x, positions)
+                else:
+                    x, layer_state = block(x, positions, states[i])
+                    new_states.append(layer_state)
         x = self.norm(x)
         return x if states is None else (x, new_states)
 
