@@ -29,6 +29,11 @@ import time
 # package that transformers probes for at import. The benchmarks import only installed packages.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
+from linjax.hugepages import reexec_with_huge_pages
+
+if __name__ == "__main__":  # both frameworks measured with huge pages, as the `linjax` command runs
+    reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,7 +150,7 @@ def main():
 
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
                "jax": jax.__version__, "torch": torch.__version__, "backend": jax.default_backend(),
-               "xla_flags": os.environ.get("XLA_FLAGS", "")}
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
     rows = []
 
     def record(framework, what, seq_len, call):

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from linjax import watchdog
+from linjax import hugepages, watchdog
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
 USER_ERROR = 2
@@ -347,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
+        hugepages.reexec_with_huge_pages(["-m", "linjax.cli", *sys.argv[1:]])
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)

@@ -9,6 +9,12 @@ import os
 # --xla_backend_optimization_level=0: with it, compilation hung now and then.
 os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true")
 
+# pytest-xdist's workers and the tests' subprocesses inherit this environment: they start with
+# transparent huge pages for XLA's fresh buffers, as the `linjax` command does (linjax/hugepages.py).
+from linjax.hugepages import environment_with_huge_pages  # noqa: E402
+
+os.environ.update(environment_with_huge_pages() or {})
+
 import numpy as np
 import pytest
 

@@ -1,0 +1,52 @@
+"""linjax/hugepages.py: the `linjax` command starts with glibc's huge-page tunable, once, and keeps the user's."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from linjax.hugepages import TUNABLE, environment_with_huge_pages
+
+linux_glibc = pytest.mark.skipif(environment_with_huge_pages({}) is None, reason="needs Linux with glibc")
+
+
+@linux_glibc
+def test_tunable_added_once_and_existing_tunables_kept():
+    assert environment_with_huge_pages({})["GLIBC_TUNABLES"] == TUNABLE
+    assert environment_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        f"glibc.malloc.arena_max=2:{TUNABLE}"
+    assert environment_with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # the user's choice
+    assert environment_with_huge_pages({"LINJAX_HUGE_PAGES": "0"}) is None
+
+
+@linux_glibc
+def test_the_linjax_command_starts_again_with_the_tunable(monkeypatch):
+    from linjax import cli
+
+    class Replaced(Exception):
+        pass
+
+    def execve(path, args, environ):
+        raise Replaced(path, args, environ)
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/linjax", "eval", "ruler", "--lengths", "1024"])
+    with pytest.raises(Replaced) as replaced:
+        cli.main()
+    path, args, environ = replaced.value.args
+    assert path == sys.executable and args == [sys.executable, "-m", "linjax.cli", "eval", "ruler", "--lengths", "1024"]
+    assert environ["GLIBC_TUNABLES"] == TUNABLE
+    # Started again (the tunable is set), it runs the command instead of replacing itself once more.
+    monkeypatch.setenv("GLIBC_TUNABLES", TUNABLE)
+    with pytest.raises(SystemExit) as exited:
+        cli.main()  # `--lengths 1024` without a model: argparse's usage error, status 2
+    assert exited.value.code == 2
+
+
+def test_a_subprocess_inherits_it():
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('GLIBC_TUNABLES', ''))"],
+                         capture_output=True, text=True, timeout=60)
+    # tests/conftest.py put it in this environment, so the suite's subprocesses run as the command does.
+    assert (TUNABLE in out.stdout) == (environment_with_huge_pages({}) is not None)
