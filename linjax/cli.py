@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
-        hugepages.reexec_with_huge_pages(["-m", "linjax.cli", *sys.argv[1:]])
+        hugepages.reexec_with_huge_pages(["-c", "from linjax.cli import main; main()", *sys.argv[1:]])
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)

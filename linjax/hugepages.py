@@ -38,7 +38,7 @@ def environment_with_huge_pages(environ=None) -> dict | None:
 def reexec_with_huge_pages(python_args: list[str]):
     """Replace this process by `python *python_args` with the tunable set; return if not needed.
 
-    `python_args`: what follows the interpreter, e.g. ["-m", "linjax.cli", *sys.argv[1:]]."""
+    `python_args`: what follows the interpreter, e.g. ["-c", "from linjax.cli import main; main()", *sys.argv[1:]]."""
     environ = environment_with_huge_pages()
     if environ is not None:
         sys.stdout.flush()

@@ -36,7 +36,8 @@ def test_the_linjax_command_starts_again_with_the_tunable(monkeypatch):
     with pytest.raises(Replaced) as replaced:
         cli.main()
     path, args, environ = replaced.value.args
-    assert path == sys.executable and args == [sys.executable, "-m", "linjax.cli", "eval", "ruler", "--lengths", "1024"]
+    assert path == sys.executable and args == [sys.executable, "-c", "from linjax.cli import main; main()", "eval", "ruler",
+                                             "--lengths", "1024"]
     assert environ["GLIBC_TUNABLES"] == TUNABLE
     # Started again (the tunable is set), it runs the command instead of replacing itself once more.
     monkeypatch.setenv("GLIBC_TUNABLES", TUNABLE)
