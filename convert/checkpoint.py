@@ -91,19 +91,48 @@ def _on_this_process(tree):
 
 
 def _load_trained(directory: str, manifest: dict, dtype):
-    import orbax.checkpoint as ocp
-
     from linjax.convert.sources import load
-    from linjax.layers import Trainable
     from linjax.linearize import linearize
 
     model, tokenizer = load(manifest["base_source"], dtype or manifest["dtype"])
     if model.config != ModelConfig.from_hf(manifest["model_config"]):
         raise ValueError(f"{directory}: the base model at {manifest['base_source']!r} has changed since training")
     model = linearize(model, LinearizeConfig.from_dict(manifest["linearize"]))
+    _restore_trainable(model, directory)
+    return model, tokenizer
+
+
+def _restore_trainable(model: CausalLM, directory: str) -> None:
+    import orbax.checkpoint as ocp
+
+    from linjax.layers import Trainable
+
     target = _on_this_process(nnx.state(model, Trainable))
     nnx.update(model, ocp.StandardCheckpointer().restore(os.path.join(directory, "trainable"), target))
-    return model, tokenizer
+
+
+def load_trained_parameters(model: CausalLM, directory: str) -> None:
+    """Put a finished training run's parameters into `model`, linearized the same way on the same
+    base (a later stage starting from an earlier one); a mismatch is a ValueError naming it."""
+    path = os.path.join(os.path.abspath(directory), MANIFEST)
+    if not os.path.exists(path):
+        raise ValueError(f"{directory} is not a finished training run (no {MANIFEST}); finish it first, or "
+                         "point train.init_from at the run directory itself")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("kind") != "trained":
+        raise ValueError(f"{directory} holds a whole model, not a training run's parameters; train.init_from "
+                         "takes a run directory written by `linjax train`")
+    if model.config != ModelConfig.from_hf(manifest["model_config"]):
+        raise ValueError(f"{directory} was trained on another base model than this run's")
+    theirs = LinearizeConfig.from_dict(manifest["linearize"]).to_dict()
+    ours = model.linearize_config.to_dict()
+    differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in ("kernel", "chunk"))
+    if differing:
+        raise ValueError(f"{directory} was linearized with other settings ("
+                         + ", ".join(f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in differing)
+                         + "); train.init_from needs the same [linearize] settings")
+    _restore_trainable(model, directory)
 
 
 def load_checkpoint(directory: str, dtype=None):

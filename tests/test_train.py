@@ -87,6 +87,25 @@ def test_trained_run_directory_restores_with_load(tiny_source, corpus, tmp_path)
         train.run(config, progress=False)
 
 
+def test_a_second_stage_starts_from_the_first_stages_parameters(tiny_source, corpus, tmp_path):
+    first = train.run(experiment(tmp_path / "transfer", tiny_source, corpus, steps=2, objective="attention_transfer"),
+                      progress=False)
+    # lr 0: the second stage's parameters stay where they started, so they must equal the first's.
+    second = train.run(experiment(tmp_path / "ce", tiny_source, corpus, steps=1, warmup_steps=0, lr=0.0,
+                                  init_from=str(tmp_path / "transfer")), progress=False)
+    fresh = linjax.linearize(linjax.load(tiny_source)[0], first.linearize_config, seed=3)
+    for a, b, c in zip(*(jax.tree.leaves(nnx.state(m, Trainable)) for m in (first, second, fresh))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(a, c) for a, c in zip(*(jax.tree.leaves(nnx.state(m, Trainable))
+                                                          for m in (first, fresh))))
+    other = experiment(tmp_path / "other", tiny_source, corpus, steps=2, init_from=str(tmp_path / "transfer"))
+    other = from_dict({**other.to_dict(), "linearize": {**other.linearize.to_dict(), "window": 4}})
+    with pytest.raises(ValueError, match="window: 8 there, 4 here"):
+        train.run(other, progress=False)
+    with pytest.raises(ValueError, match="not a finished training run"):
+        train.run(experiment(tmp_path / "x", tiny_source, corpus, steps=2, init_from=str(tmp_path)), progress=False)
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)))
 def test_shipped_configs_parse_and_build(path):
     from linjax.convert.sources import source_hf_config
@@ -101,7 +120,10 @@ def test_shipped_configs_parse_and_build(path):
         except FileNotFoundError as err:
             pytest.skip(str(err))
     model = linjax.abstract_model(hf_config, config.linearize)
-    assert linjax.trainable_parameter_count(model) > 0
+    if config.linearize.mechanism == "window":  # the training-free baseline rows: nothing to train
+        assert linjax.trainable_parameter_count(model) == 0
+    else:
+        assert linjax.trainable_parameter_count(model) > 0
 
 
 def test_unknown_keys_are_named(tmp_path):

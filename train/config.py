@@ -64,6 +64,9 @@ class TrainSection:
     keep_checkpoints: int = 2
     mesh_data: int = -1  # devices on the data axis (-1: all devices not used by fsdp)
     mesh_fsdp: int = 1  # devices the frozen weights are sharded over
+    # A finished run directory whose trained parameters start this run (a fresh optimizer and
+    # schedule): a second stage, e.g. cross-entropy after an attention-transfer stage.
+    init_from: str | None = None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:

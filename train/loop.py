@@ -127,7 +127,7 @@ def run(config, resume: bool = False, progress: bool = True):
     from tqdm.auto import tqdm
 
     import linjax
-    from linjax.convert.checkpoint import save_trained
+    from linjax.convert.checkpoint import load_trained_parameters, save_trained
 
     tc = config.train
     run_dir = os.path.abspath(config.run_dir)
@@ -155,6 +155,8 @@ def run(config, resume: bool = False, progress: bool = True):
     if tokenizer is None:
         raise ValueError(f"{config.model.source} has no tokenizer; training needs one to read text")
     model = linjax.linearize(model, config.linearize, seed=tc.seed)
+    if tc.init_from and not start_step:  # on resume the checkpoint holds the parameters
+        load_trained_parameters(model, tc.init_from)
     graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
     if not jax.tree.leaves(trainable):
         raise ValueError(f"linearize settings {config.linearize.to_dict()} add no trainable parameters "
