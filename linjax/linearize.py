@@ -50,6 +50,9 @@ class LinearizeConfig:
         writes no scale (i.e. 1).
     output_gain: a learned per-head gain (initialised to 1) on the linear term, one new
         parameter per head and layer.
+    gate_bias: the decay gate's bias at initialisation (GLA, kGLA, GDN, gdn_scalar): 1 as in the
+        paper, so α ≈ sigmoid(1) ≈ 0.73 at the start (a memory of about four tokens); larger values
+        start with a longer memory (3: α ≈ 0.95, about twenty tokens).
     """
 
     mechanism: str = "gdn"
@@ -66,6 +69,7 @@ class LinearizeConfig:
     kernel: str = "chunked"
     scale: float | None = None
     output_gain: bool = False
+    gate_bias: float = 1.0
 
     def __post_init__(self):
         if self.adapter in ("none", ""):  # TOML and the CLI have no None
@@ -93,6 +97,9 @@ class LinearizeConfig:
         for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if not (isinstance(self.gate_bias, (int, float)) and not isinstance(self.gate_bias, bool)
+                and math.isfinite(self.gate_bias)):
+            raise ValueError(f"gate_bias must be a finite number, got {self.gate_bias!r}")
         if self.scale is not None:
             number = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
             if not number or not 0 < self.scale < math.inf:

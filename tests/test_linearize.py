@@ -355,3 +355,20 @@ def test_window_only_prefill_then_decode_equals_one_pass(one_layer_models, kind)
     assert relative_rms(np.concatenate([np.asarray(p) for p in pieces], axis=1), expected) <= 1e-5
     assert [x.shape for x in jax.tree.leaves(model.init_states(2, 10))] == \
         [x.shape for x in jax.tree.leaves(model.init_states(2, 10_000))]  # the cache is the budget, not the context
+
+
+@pytest.mark.parametrize("mechanism", ["gla", "kgla", "gdn", "gdn_scalar"])
+def test_gate_bias_sets_the_initial_decay(one_layer_models, mechanism):
+    base = one_layer_models["llama"]
+    biases = {}
+    for gate_bias in (1.0, 3.0):
+        model = linjax.linearize(base, linjax.LinearizeConfig(mechanism=mechanism, window=0, sinks=0,
+                                                              gate_bias=gate_bias))
+        mixer = model.layers[0].attn
+        gate = mixer.gate.bias if mechanism != "gdn_scalar" else mixer.gate_bias
+        biases[gate_bias] = np.asarray(gate[...])
+        np.testing.assert_array_equal(biases[gate_bias], np.full(biases[gate_bias].shape, gate_bias, np.float32))
+    # α = sigmoid(bias) with the low-rank term near zero at init: 0.73 (about 4 tokens) vs 0.95.
+    assert np.allclose(1 / (1 + np.exp(-biases[1.0])), 0.731, atol=1e-3)
+    with pytest.raises(ValueError, match="gate_bias must be a finite number"):
+        linjax.LinearizeConfig(mechanism=mechanism, gate_bias=float("nan"))

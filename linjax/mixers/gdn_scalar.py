@@ -23,7 +23,7 @@ class GDNScalar(LinearMixer):
         super().__init__(proj, settings, rngs=rngs)
         hidden, heads = proj.q_proj.kernel.shape[0], proj.num_heads
         self.gate_weight = Trainable(torch_linear_init(rngs.params(), (hidden, heads), hidden))
-        self.gate_bias = Trainable(jnp.ones((heads,), jnp.float32))
+        self.gate_bias = Trainable(jnp.full((heads,), settings.gate_bias, jnp.float32))
         self.beta = Beta(hidden, heads, rngs=rngs)
 
     def gates(self, h, k):
