@@ -10,11 +10,11 @@ is a sink or one of the w most recent tokens, otherwise through the linear
 state. This module has the softmax part and the input shift for the linear
 part; the mixer adds the two.
 
-Softmax part (GQA as in gla.py: query head h reads kv head h // (H // Hkv)):
+Softmax part (GQA as in contract.py: query head h reads kv head h // (H // Hkv)):
 
     reference(q, k, v, *, sinks, window, scale=None) -> SoftmaxParts     # dense [T, T] mask, tests only
-    chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None) -> SoftmaxParts
-    prefill(q, k, v, cache, *, scale=None, chunk=64) -> (SoftmaxParts, new_cache)
+    chunked(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None) -> SoftmaxParts
+    prefill(q, k, v, cache, *, scale=None, chunk=CHUNK) -> (SoftmaxParts, new_cache)
     step(q, k, v, cache, *, scale=None) -> (SoftmaxParts, new_cache)   # q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv]
     leaving_window(rings, count, *, sinks) -> linear inputs of the token leaving the window (decode)
     empty_cache(batch, kv_heads, key_dim, value_dim, *, sinks, window, dtype) -> WindowCache
@@ -42,7 +42,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels.gla import as_token_batch, check_qkv
+from linjax.kernels import swa_pallas
+from linjax.kernels.contract import as_token_batch, check_qkv, default_scale
+from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+
+# Default query block of `chunked`, `prefill` and `pallas`. A block attends to itself and the
+# ⌈window / chunk⌉ blocks before it, so with the paper's budget (window 56 or 64) a 64-query block
+# reads 128 keys, about twice the keys it needs; the Pallas kernel uses the same block as its
+# power-of-two tile.
+CHUNK = 64
 
 _MASKED = -1e30  # finite "−inf": a row's max stays finite, exp(_MASKED − max) = 0
 
@@ -109,7 +117,7 @@ def reference(q, k, v, *, sinks, window, scale=None):
     """Dense softmax with the sink + window mask over the whole [T, T] score matrix (the spec; tests only)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_budget(sinks, window)
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     G = H // Hkv
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dk)
     scores = scale * jnp.einsum("btkgd,bjkd->bkgtj", qg, k.astype(jnp.float32))
@@ -172,7 +180,7 @@ def update_cache(cache, k, v):
 # ------------------------------------------------------------ blocked, linear in T
 
 
-def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
+def chunked(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None):
     """Sink + sliding-window softmax in query blocks of `chunk`: each block sees its own block, the
     ⌈window/chunk⌉ blocks before it and the sink keys, so memory and work are O(T · (chunk + window + sinks)).
 
@@ -184,7 +192,7 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
     _check_budget(sinks, window)
     if T == 0:
         raise ValueError("swa.chunked needs at least one token (T = 0)")
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     G = H // Hkv
     f32 = lambda x: x.astype(jnp.float32)
     q, k, v = f32(q), f32(k), f32(v)
@@ -236,7 +244,7 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
     return SoftmaxParts(to_bthd(numerator), to_bthd(row_max), to_bthd(row_sum))
 
 
-def prefill(q, k, v, cache, *, scale=None, chunk=64):
+def prefill(q, k, v, cache, *, scale=None, chunk=CHUNK):
     """Attend a block of new tokens after `cache` and return (SoftmaxParts, cache after them)."""
     parts = chunked(q, k, v, sinks=cache.sinks, window=cache.window, scale=scale, chunk=chunk, cache=cache)
     return parts, update_cache(cache, k, v)
@@ -245,7 +253,7 @@ def prefill(q, k, v, cache, *, scale=None, chunk=64):
 def step(q, k, v, cache, *, scale=None):
     """One decode token (q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv]) against the ring buffer: O(sinks + window)."""
     B, _, H, Hkv, Dk, Dv = as_token_batch(q, k, v)
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     G = H // Hkv
     t = cache.count
     cache = update_cache(cache, k[:, None], v[:, None])
@@ -327,10 +335,8 @@ def leaving_window(rings, count, *, sinks):
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
-from linjax.kernels import gla_pallas, swa_pallas  # noqa: E402  (appended block; no import cycle)
 
-
-def pallas(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None, interpret=None):
+def pallas(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None, interpret=None):
     """`chunked` as one Pallas (Triton) kernel, see swa_pallas.py; same arguments and
     SoftmaxParts. Differentiable through a `jax.custom_vjp` whose backward recomputes through
     `chunked` (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter
@@ -341,8 +347,8 @@ def pallas(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None, interpre
                                   "cache use swa.prefill / swa.chunked(..., cache=cache)")
     check_qkv(q, k, v)
     _check_budget(sinks, window)
-    interpret = gla_pallas.default_interpret(interpret)
+    interpret = default_interpret(interpret)
     kernel = lambda *a: SoftmaxParts(*swa_pallas.forward(
         *a, sinks=sinks, window=window, scale=scale, block=chunk, interpret=interpret))
     spec = lambda *a: chunked(*a, sinks=sinks, window=window, scale=scale, chunk=chunk)
-    return gla_pallas.with_chunked_backward(kernel, spec, q, k, v)
+    return with_chunked_backward(kernel, spec, q, k, v)

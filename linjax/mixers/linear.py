@@ -97,14 +97,15 @@ class LinearMixer(nnx.Module):
         if self.scale is not None:
             extra["scale"] = self.scale
         if decode:
-            out = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state, **extra)
-            out = (out[0][:, None],) + tuple(out[1:])
-            if self.normalized:
-                out = (out[0], out[1], out[2][:, None])
+            out, state = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state,
+                                          **extra)
+            out = jax.tree.map(lambda x: x[:, None], out)  # back to one time step
         else:
             run = self.kernel.pallas if self.use_pallas else self.kernel.chunked
-            out = run(q, k, v, *gates, initial_state=state, **extra)
-        return (out[0], out[1], out[2] if self.normalized else None)
+            out, state = run(q, k, v, *gates, initial_state=state, **extra)
+        if self.normalized:  # linear_attn.NormalizedOutput
+            return out.o, state, out.normaliser
+        return out, state, None
 
     def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> LinearState:
         del max_length  # a linear layer's state does not grow with the context
