@@ -24,8 +24,6 @@ and `features(q, k)`, and names its kernel module in `linjax.kernels`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,16 +31,7 @@ from flax import nnx
 from linjax.adapters import LoRA, ShortConv
 from linjax.kernels import swa
 from linjax.layers import AttentionProjections, Trainable
-
-
-class LinearState(NamedTuple):
-    """Decode state of a linear mixer; its size does not depend on the context length."""
-
-    linear: jax.Array  # the kernel's state [B, H, Dk', Dv'] (fp32)
-    length: jax.Array  # [] int32, tokens consumed
-    conv: tuple | None  # short-conv caches for q, k, v: [B, K-1, channels]
-    window: swa.WindowCache | None  # pretrained keys/values of the sinks and the window
-    shifted: tuple | None  # rings [B, w, ...] of the linear inputs (k', v', *gates) still in the window
+from linjax.mixers.states import LinearState
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
