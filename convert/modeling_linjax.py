@@ -21,7 +21,7 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
   one decode token, or `form = "recurrent"`, runs `linear_recurrence`, the
   token-by-token reference. The softmax parts use dense scores over the kept keys;
 - `generate` decodes incrementally with `LinjaxCache`, which holds per layer what
-  linjax's decode states hold (linjax/mixers/linear.py LinearState): for softmax
+  linjax's decode states hold (linjax/mixers/states.py LinearState): for softmax
   layers every past key and value; for linear layers the recurrent state, the
   short-conv inputs of the last K − 1 tokens, the keys and values of the sinks
   and of the window, and the linear inputs (k', v', gates) of the last `window`

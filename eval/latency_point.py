@@ -169,7 +169,7 @@ def state_bytes(states) -> int:
 
 
 def with_length(states, length: int):
-    """`states` with every token counter (KVCache.length, LinearState.length, WindowCache.count) set
+    """`states` with every token counter (KVCache.length, LinearState.length, WindowCache.length) set
     to `length`: positions continue at `length`, and a window ring counts as full."""
     import jax
     import jax.numpy as jnp

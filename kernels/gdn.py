@@ -14,8 +14,7 @@ Functions (ARCHITECTURE.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.
-    pallas     (GPU, same contract as `chunked`) goes at the bottom; `_prepare` gives it the
-               checked fp32 inputs and `_segment_matrices` the decay exponents.
+    pallas     the same as `chunked` as one Pallas (GPU) kernel, gdn_pallas.py.
 All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 """
 
@@ -26,26 +25,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["reference", "chunked", "step", "pallas"]
+from linjax.kernels import gdn_pallas
+from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
+                                     initial_state_or_zeros)
+from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+
+__all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "PALLAS_CHUNK"]
+
+# Default chunk of `chunked`: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took 0.71 s
+# with 32, 0.78 s with 64 and 0.86 s with 16: the 64-wide block inverse and decay tree cost more than
+# the shorter scan over chunks saves.
+CHUNK = 32
+# Default chunk of `pallas`: that measurement does not carry over, since the kernel solves each chunk
+# in 16-token sub-chunks with the state held in registers, and a longer chunk means fewer serial
+# steps of its loop. 64 is the block FLA's delta-rule kernels use; untuned (no GPU was at hand).
+PALLAS_CHUNK = 64
 
 
 # ----------------------------------------------------------------------------- inputs
 
 
-def _check(q, k, v, log_alpha, beta, state, *, per_token: bool):
-    """Validate shapes; return (H // Hkv, per_channel). `per_token`: shapes lack the T axis."""
-    rank = 3 if per_token else 4
-    where = "[B,H,D]" if per_token else "[B,T,H,D]"
-    if q.ndim != rank or k.ndim != rank or v.ndim != rank:
-        raise ValueError(f"q, k, v must be {where} (rank {rank}); "
-                         f"got q{q.shape}, k{k.shape}, v{v.shape}")
-    if k.shape[:-2] != q.shape[:-2] or v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(f"batch/time/kv-head axes disagree: q{q.shape}, k{k.shape}, v{v.shape}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"q and k need the same Dk; got q{q.shape}, k{k.shape}")
-    H, Hkv = q.shape[-2], k.shape[-2]
-    if H % Hkv:
-        raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv}")
+def _prepare(q, k, v, log_alpha, beta, state, scale, *, per_token=False):
+    """Checked fp32 inputs with k, v repeated to the query heads and a trailing gate axis
+    (Dk, or 1 for a scalar gate, which then broadcasts over Dk everywhere). `per_token`:
+    one decode token, shapes without the T axis."""
+    B, _, H, _, Dk, Dv = (as_token_batch if per_token else check_qkv)(q, k, v)
     heads = q.shape[:-1]
     if log_alpha.shape == q.shape:
         per_channel = True
@@ -54,28 +58,12 @@ def _check(q, k, v, log_alpha, beta, state, *, per_token: bool):
     else:
         raise ValueError(f"log_alpha must be {q.shape} (per channel) or {heads} (scalar per "
                          f"head); got {log_alpha.shape}")
-    if beta.shape != heads:
-        raise ValueError(f"beta must be {heads}; got {beta.shape}")
-    want = (q.shape[0], H, q.shape[-1], v.shape[-1])
-    if state is not None and state.shape != want:
-        raise ValueError(f"state must be [B,H,Dk,Dv] = {want}; got {state.shape}")
-    return H // Hkv, per_channel
-
-
-def _prepare(q, k, v, log_alpha, beta, state, scale, *, per_token=False):
-    """Checked fp32 inputs with k, v repeated to the query heads and a trailing gate axis
-    (Dk, or 1 for a scalar gate, which then broadcasts over Dk everywhere)."""
-    group, per_channel = _check(q, k, v, log_alpha, beta, state, per_token=per_token)
+    check_shape(beta, heads, "beta")
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    head_axis = q.ndim - 2
-    k = jnp.repeat(f32(k), group, axis=head_axis)  # query head h reads kv head h // group
-    v = jnp.repeat(f32(v), group, axis=head_axis)
     la = f32(log_alpha) if per_channel else f32(log_alpha)[..., None]
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if state is None:
-        state = jnp.zeros((q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]), jnp.float32)
-    return f32(q), k, v, la, f32(beta), f32(state), scale
+    state = initial_state_or_zeros(state, (B, H, Dk, Dv), "state" if per_token else "initial_state")
+    return (f32(q), f32(expand_kv_heads(k, H)), f32(expand_kv_heads(v, H)), la, f32(beta), state,
+            default_scale(scale, Dk))
 
 
 # ---------------------------------------------------------------------- recurrent form
@@ -198,13 +186,10 @@ def _chunk_size(chunk: int, T: int) -> int:
     return min(chunk, 1 << max(T - 1, 0).bit_length())      # short inputs: smallest fitting chunk
 
 
-def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=32):
+def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK):
     """Chunk-parallel gated delta rule; same arguments and results as `reference`.
     `chunk` (a power of two) is the block length; any T works (padded inside with β = 0,
-    log α = 0, which leaves the state unchanged). Memory is linear in T.
-    The default is 32: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took
-    0.71 s with 32, 0.78 s with 64 and 0.86 s with 16 (the 64-wide inverse and tree cost more
-    than the shorter scan saves)."""
+    log α = 0, which leaves the state unchanged). Memory is linear in T."""
     q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
     B, T, H, Dk = q.shape
     C = _chunk_size(chunk, T)
@@ -245,19 +230,17 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=3
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
-from linjax.kernels import gdn_pallas, gla_pallas  # noqa: E402  (appended block; no import cycle)
 
-
-def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64, interpret=None):
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
     """`chunked` as one Pallas (Triton) kernel, see gdn_pallas.py; same arguments and results
     (per-channel or scalar gate).
 
     Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
     (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
     the default backend is CPU."""
-    interpret = gla_pallas.default_interpret(interpret)
+    interpret = default_interpret(interpret)
     kernel = lambda *a: gdn_pallas.forward(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk,
                                           interpret=interpret)
     spec = lambda *a: chunked(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk)
-    o, state = gla_pallas.with_chunked_backward(kernel, spec, q, k, v, log_alpha, beta, initial_state)
+    o, state = with_chunked_backward(kernel, spec, q, k, v, log_alpha, beta, initial_state)
     return o.astype(v.dtype), state

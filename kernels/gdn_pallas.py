@@ -15,7 +15,7 @@ and then
     S_C = Diag(Γ_last) S_0 + (K ⊙ exp(G_last − G))ᵀ U.
 
 A and B are built per 16-token sub-chunk with the factorisation described in
-`gla_pallas` (both factors ≤ 1, exponents summed without cancellation). The system is solved by block forward
+`pallas_common` (both factors ≤ 1, exponents summed without cancellation). The system is solved by block forward
 substitution over sub-chunks; each 16 × 16 diagonal block is inverted by
 forward substitution, row by row, in fp32 (as FLA's `solve_tril` does, from
 the equations). Columns of S evolve independently, so programs split Dv.
@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from linjax.kernels.gla_pallas import (
-    SUB, MAX_BLOCK_V, ChunkGates, check_inputs, diag_gram, head_specs,
-    load_rows, matmul, offdiag_gram, pad_axis, pad_to_tiles, t_matmul,
-    triton_params)
+from linjax.kernels.contract import check_shape
+from linjax.kernels.pallas_common import (
+    MAX_BLOCK_V, SUB, ChunkGates, check_inputs, diag_gram, head_specs, load_rows, matmul,
+    offdiag_gram, pad_axis, pad_to_tiles, t_matmul, triton_params)
 
 
 def unit_lower_inverse(a):
@@ -98,7 +98,7 @@ def _gdn_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, ht_ref, *,
 
 
 def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
-            chunk=64, interpret=False):
+            chunk, interpret=False):
     """Chunked gated-delta-rule forward as one Pallas call (Triton on GPU).
 
     q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk]
@@ -110,8 +110,7 @@ def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
         log_alpha = jnp.broadcast_to(log_alpha[..., None], q.shape)
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
     (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got {beta.shape}")
+    check_shape(beta, (B, T, H), "beta")
     q, k, v, log_alpha, h0 = pad_to_tiles(q, k, v, log_alpha, initial_state, chunk)
     # β = 0 on padded steps makes them the identity on the state.
     beta = pad_axis(beta.astype(jnp.float32), 1, q.shape[1])

@@ -4,17 +4,18 @@ The paper's GLA update (sec. 3.1.2, "State-Based Linear Attention"); α_t is a
 per-channel decay given in log space, log α ≤ 0 (0 = keep, −∞ = reset).
 
     reference(q, k, v, log_alpha, *, scale=None, initial_state=None) -> (o, final_state)
-    chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64) -> (o, final_state)
+    chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK) -> (o, final_state)
     step(q, k, v, log_alpha, *, state=None, scale=None) -> (o, new_state)
+    pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK, interpret=None) -> (o, final_state)
 
 Shapes: q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk];
 H is a multiple of Hkv and query head h reads kv head h // (H // Hkv) (HF
 `repeat_kv`), so there is one state per query head: [B,H,Dk,Dv], fp32.
 `step` takes one token without the time axis: q [B,H,Dk], k [B,Hkv,Dk],
-v [B,Hkv,Dv], log_alpha [B,H,Dk]. Outputs come back in q's dtype; gates,
-cumulative sums, states and accumulations are fp32. The kernels take q and k
-as given (no feature map, no L2 norm). kgla.py and linear_attn.py reuse the
-helpers here (`check_qkv`, `expand_kv_heads`, `decayed_update`, `chunked_scan`).
+v [B,Hkv,Dv], log_alpha [B,H,Dk]. Dtypes as in contract.py (o in v's dtype,
+fp32 gates, sums and states). The kernels take q and k as given (no feature
+map, no L2 norm). kgla.py and linear_attn.py reuse the recurrence here
+(`decayed_update`, `scan_recurrence`, `chunked_scan`).
 
 Speed on CPU (2 cores, B=1, T=2048, H=8, Hkv=2, D=64, jit): chunked 69 ms
 forward / 319 ms forward+backward, reference 13 ms / 620 ms. The scan is the
@@ -30,62 +31,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from linjax.kernels import gla_pallas
+from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
+                                     initial_state_or_zeros)
+from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+
 SUBCHUNK = 16  # intra-chunk block length for the per-channel decay tensor [sub, sub, Dk]
-
-
-# ------------------------------------------------------------------ input checks
-
-
-def check_qkv(q, k, v):
-    """(B, T, H, Hkv, Dk, Dv) of [B,T,H,Dk], [B,T,Hkv,Dk], [B,T,Hkv,Dv]; raises a readable error otherwise."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, time, heads, dim]; got shape {x.shape}")
-    B, T, H, Dk = q.shape
-    Hkv = k.shape[2]
-    if k.shape[:2] != (B, T) or k.shape[3] != Dk:
-        raise ValueError(f"k must be [B, T, Hkv, Dk] = [{B}, {T}, Hkv, {Dk}] to match q {q.shape}; got {k.shape}")
-    if v.shape[:3] != (B, T, Hkv):
-        raise ValueError(f"v must be [B, T, Hkv, Dv] = [{B}, {T}, {Hkv}, Dv] to match k {k.shape}; got {v.shape}")
-    if H % Hkv:
-        raise ValueError(
-            f"query heads ({H}) must be a multiple of key/value heads ({Hkv}): "
-            "query head h reads kv head h // (H // Hkv)")
-    return B, T, H, Hkv, Dk, v.shape[3]
-
-
-def check_shape(x, expected, name):
-    if x is None or tuple(x.shape) != tuple(expected):
-        found = None if x is None else tuple(x.shape)
-        raise ValueError(f"{name} must have shape {tuple(expected)}; got {found}")
-
-
-def initial_state_or_zeros(initial_state, shape, name="initial_state"):
-    """The given state as fp32 after a shape check, or zeros of `shape`.
-
-    The zeros pass an optimization barrier: jaxlib 0.10's CPU "ynn" fusion
-    miscompiles a chunk whose state is a broadcast constant (garbage outputs
-    for Dk = 64 under jit; XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=
-    also avoids it). Keeping the zeros opaque costs nothing.
-    """
-    if initial_state is None:
-        return lax.optimization_barrier(jnp.zeros(shape, jnp.float32))
-    check_shape(initial_state, shape, name)
-    return initial_state.astype(jnp.float32)
-
-
-def expand_kv_heads(x, heads):
-    """[..., Hkv, D] -> [..., H, D], each kv head repeated for its H // Hkv consecutive query heads."""
-    return jnp.repeat(x, heads // x.shape[-2], axis=-2)
-
-
-def as_token_batch(q, k, v):
-    """Checks one-token step inputs q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv]; returns the dims."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"step takes one token without a time axis: {name} must be [batch, heads, dim]; "
-                             f"got shape {x.shape}")
-    return check_qkv(q[:, None], k[:, None], v[:, None])
+# Default chunk of `chunked` and `pallas`. The [sub, sub, Dk] pair decay is only built inside 16-token
+# sub-chunks, so a longer chunk adds only [C, C] matmuls and shortens the serial scan over chunks; 64
+# (four sub-chunks) is the block FLA's GLA kernels use. The Pallas kernel walks the same 16-token
+# sub-chunks, so one value serves both.
+CHUNK = 64
 
 
 # ------------------------------------------------------------- the recurrence
@@ -117,24 +73,24 @@ def reference(q, k, v, log_alpha, *, scale=None, initial_state=None):
     """The spec: token-by-token fp32 recurrence (decay exp(log α_t) applied per step)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     check_shape(log_alpha, (B, T, H, Dk), "log_alpha ([B, T, H, Dk])")
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
     o, state = scan_recurrence(f32(q), f32(expand_kv_heads(k, H)), f32(expand_kv_heads(v, H)),
                                jnp.exp(f32(log_alpha)), initial_state_or_zeros(initial_state, (B, H, Dk, Dv)),
                                scale)
-    return o.astype(q.dtype), state
+    return o.astype(v.dtype), state
 
 
 def step(q, k, v, log_alpha, *, state=None, scale=None):
     """One decode token: q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], log_alpha [B,H,Dk] -> (o [B,H,Dv], state)."""
     B, _, H, _, Dk, Dv = as_token_batch(q, k, v)
     check_shape(log_alpha, (B, H, Dk), "log_alpha ([B, H, Dk])")
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
     state = initial_state_or_zeros(state, (B, H, Dk, Dv), "state")
     state, o = decayed_update(state, f32(q), f32(expand_kv_heads(k, H)), f32(expand_kv_heads(v, H)),
                               jnp.exp(f32(log_alpha)), scale)
-    return o.astype(q.dtype), state
+    return o.astype(v.dtype), state
 
 
 # ------------------------------------------------------------ chunk-parallel form
@@ -250,31 +206,29 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
     return o, state
 
 
-def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64):
+def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK):
     """Chunk-parallel GLA (the training path): same result as `reference`, linear memory in T, any T."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     check_shape(log_alpha, (B, T, H, Dk), "log_alpha ([B, T, H, Dk])")
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
     o, state = chunked_scan(f32(q) * scale, f32(expand_kv_heads(k, H)), f32(expand_kv_heads(v, H)),
                             f32(log_alpha), initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk)
-    return o.astype(q.dtype), state
+    return o.astype(v.dtype), state
 
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
-from linjax.kernels import gla_pallas  # noqa: E402  (appended block; no import cycle)
 
-
-def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64, interpret=None):
+def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK, interpret=None):
     """`chunked` as one Pallas (Triton) kernel, see gla_pallas.py; same arguments and results.
 
     Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
     (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
     the default backend is CPU."""
-    interpret = gla_pallas.default_interpret(interpret)
+    interpret = default_interpret(interpret)
     kernel = lambda *a: gla_pallas.forward(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk,
                                           interpret=interpret)
     spec = lambda *a: chunked(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk)
-    o, state = gla_pallas.with_chunked_backward(kernel, spec, q, k, v, log_alpha, initial_state)
-    return o.astype(q.dtype), state
+    o, state = with_chunked_backward(kernel, spec, q, k, v, log_alpha, initial_state)
+    return o.astype(v.dtype), state

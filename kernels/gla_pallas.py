@@ -1,5 +1,5 @@
-"""Pallas (Triton backend) forward kernel for chunked GLA, and the pieces the
-other Pallas kernels share.
+"""Pallas (Triton backend) forward kernel for chunked GLA (the pieces every Pallas
+kernel shares are in pallas_common.py).
 
 GLA: S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,  o_t = scale · S_tᵀ q_t.
 
@@ -40,168 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-SUB = 16  # sub-chunk length for the per-channel intra-chunk decay
-MAX_BLOCK_V = 64  # Dv columns per program
-
-
-# ---------------------------------------------------------------- wrapper side
-
-
-def check_inputs(q, k, v, gate, gate_name: str, initial_state, chunk: int):
-    """Raise a readable error for anything outside the kernel contract."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"q, k, v must be [batch, time, heads, dim]; got shapes "
-            f"{q.shape}, {k.shape}, {v.shape}")
-    B, T, H, Dk = q.shape
-    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[3] != Dk:
-        raise ValueError(
-            f"k must be [B, T, Hkv, Dk] = [{B}, {T}, Hkv, {Dk}] and v "
-            f"[B, T, Hkv, Dv]; got k {k.shape}, v {v.shape}")
-    if H % k.shape[2]:
-        raise ValueError(
-            f"query heads ({H}) must be a multiple of key/value heads ({k.shape[2]})")
-    if gate is not None and gate.shape != (B, T, H, Dk):
-        raise ValueError(
-            f"{gate_name} must be [B, T, H, Dk] = {(B, T, H, Dk)}; got {gate.shape}")
-    if initial_state is not None and initial_state.shape != (B, H, Dk, v.shape[3]):
-        raise ValueError(
-            f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, v.shape[3])}; "
-            f"got {initial_state.shape}")
-    if chunk <= 0 or chunk % SUB:
-        raise ValueError(f"chunk must be a positive multiple of {SUB}; got {chunk}")
-    if T == 0:
-        raise ValueError("sequence length T must be at least 1")
-
-
-def tile_size(n: int) -> int:
-    """Smallest power of two ≥ max(n, 16): Triton tiles are powers of two and
-    its matmuls need sides ≥ 16."""
-    return max(16, pl.next_power_of_2(n))
-
-
-def pad_axis(x, axis: int, size: int, value=0.0):
-    """Pad `x` with `value` at the end of `axis` up to `size`."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def head_specs(Tp: int, Dk: int, BV: int, group: int):
-    """BlockSpecs on grid (batch, head, Dv block) for the [B, T, H, D] layout.
-
-    Query-head tensors use head h; k and v use kv head h // group (GQA without
-    repeating k and v in memory)."""
-    sq = pl.squeezed
-    return dict(
-        q=pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, j: (b, 0, h, 0)),
-        k=pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, j: (b, 0, h // group, 0)),
-        v=pl.BlockSpec((sq, Tp, sq, BV), lambda b, h, j: (b, 0, h // group, j)),
-        o=pl.BlockSpec((sq, Tp, sq, BV), lambda b, h, j: (b, 0, h, j)),
-        gate=pl.BlockSpec((sq, Tp, sq, Dk), lambda b, h, j: (b, 0, h, 0)),
-        per_head=pl.BlockSpec((sq, Tp, sq), lambda b, h, j: (b, 0, h)),
-        state=pl.BlockSpec((sq, sq, Dk, BV), lambda b, h, j: (b, h, 0, j)),
-    )
-
-
-def triton_params():
-    """Triton launch settings (selecting them is what picks the Triton backend
-    over Mosaic GPU). Untuned: no GPU was at hand; 8 warps may suit Dk = 128."""
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)
-
-
-# ------------------------------------------------------------ in-kernel pieces
-
-
-def load_rows(ref, start, n: int):
-    """Rows [start, start + n) of a [T, D] (or [T]) ref, as fp32."""
-    return ref[pl.ds(start, n)].astype(jnp.float32)
-
-
-def matmul(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def matmul_t(a, b):
-    """a @ bᵀ."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-
-
-def t_matmul(a, b):
-    """aᵀ @ b."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-
-
-class ChunkGates:
-    """Log decays of one chunk from its raw log α, one [SUB, Dk] block per
-    sub-chunk, all as sums of the steps they span (no cancellation):
-
-        prefix[I]  Σ log α over sub-chunk I up to and including row i
-        suffix[I]  Σ log α over sub-chunk I after row i
-        total[I]   Σ log α over sub-chunk I                           [Dk]
-    """
-
-    def __init__(self, log_alpha):
-        n = log_alpha[0].shape[0]
-        later = jnp.where(lax.broadcasted_iota(jnp.int32, (n, n), 1)
-                          > lax.broadcasted_iota(jnp.int32, (n, n), 0), 1.0, 0.0)
-        self.log_alpha = log_alpha
-        self.prefix = [jnp.cumsum(la, axis=0) for la in log_alpha]
-        self.suffix = [matmul(later, la) for la in log_alpha]  # Triton has no reverse cumsum
-        self.total = [jnp.sum(la, axis=0) for la in log_alpha]
-
-    def between(self, first: int, stop: int):
-        """Σ of the totals of sub-chunks first .. stop − 1 ([Dk]; zeros if none)."""
-        out = jnp.zeros_like(self.total[0])
-        for m in range(first, stop):
-            out = out + self.total[m]
-        return out
-
-    def from_start(self, i: int):
-        """G of sub-chunk i's rows: log decay from the chunk start ([SUB, Dk])."""
-        return self.between(0, i)[None, :] + self.prefix[i]
-
-    def to_end(self, j: int):
-        """log decay from sub-chunk j's rows to the chunk end (G_last − G)."""
-        return self.suffix[j] + self.between(j + 1, len(self.total))[None, :]
-
-    def whole(self):
-        """log decay over the whole chunk (G_last, [Dk])."""
-        return self.between(0, len(self.total))
-
-
-def offdiag_gram(x_i, y_j, gates: ChunkGates, i: int, j: int):
-    """Block (I > J) of Σ_d x_id y_jd exp(G_id − G_jd), factorised at the
-    boundary before sub-chunk I so that both factors are ≤ 1."""
-    to_boundary = gates.suffix[j] + gates.between(j + 1, i)[None, :]
-    return matmul_t(x_i * jnp.exp(gates.prefix[i]), y_j * jnp.exp(to_boundary))
-
-
-def diag_gram(x, y_ref, start, log_alpha, *, strict: bool):
-    """Diagonal block: A_ij = Σ_d x_id y_jd exp(Σ_{j<t≤i} log α_td) for j ≤ i
-    (j < i if strict), else 0. Built column by column (row j of y read from
-    its ref); the exponent of column j is a cumsum of log α over the rows
-    after j, so it is ≤ 0 and exact, and masked entries are zeroed."""
-    n = x.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-    def column(j, a):
-        y_j = y_ref[start + j].astype(jnp.float32)[None, :]
-        keep = rows > j if strict else rows >= j
-        decay = jnp.where(keep, jnp.exp(jnp.cumsum(jnp.where(rows > j, log_alpha, 0.0), axis=0)), 0.0)
-        col = jnp.sum(x * y_j * decay, axis=1)
-        return jnp.where(cols == j, col[:, None], a)
-
-    return lax.fori_loop(0, n, column, jnp.zeros((n, n), jnp.float32))
-
+from linjax.kernels.pallas_common import (
+    MAX_BLOCK_V, SUB, ChunkGates, check_inputs, diag_gram, head_specs, load_rows, matmul,
+    offdiag_gram, pad_to_tiles, t_matmul, triton_params)
 
 # --------------------------------------------------------------------- kernel
 
@@ -236,7 +78,7 @@ def _gla_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *,
     ht_ref[...] = state
 
 
-def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64,
+def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk,
             interpret=False):
     """Chunked GLA forward as one Pallas call (Triton on GPU).
 
@@ -251,27 +93,6 @@ def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=64,
     o, ht = _gla_call(*padded, group=H // Hkv, chunk=chunk, interpret=bool(interpret),
                       scale=Dk ** -0.5 if scale is None else float(scale))
     return o[:, :T, :, :Dv], ht[:, :, :Dk, :Dv]
-
-
-def pad_to_tiles(q, k, v, log_alpha, initial_state, chunk: int):
-    """Pad T to whole chunks (zeros; log α = 0 keeps the state) and Dk, Dv to
-    tile sizes (zero channels add nothing). Returns padded (q, k, v,
-    log_alpha fp32, initial state fp32, zeros if None). Done outside the
-    jitted call so that every T with the same number of chunks shares one
-    compiled kernel."""
-    B, T, H, Dk = q.shape
-    Tp = -(-T // chunk) * chunk
-    Dkp, Dvp = tile_size(Dk), tile_size(v.shape[3])
-
-    def prep(x, d):
-        return pad_axis(pad_axis(x, 1, Tp), 3, d)
-
-    if initial_state is None:
-        h0 = jnp.zeros((B, H, Dkp, Dvp), jnp.float32)
-    else:
-        h0 = pad_axis(pad_axis(initial_state.astype(jnp.float32), 2, Dkp), 3, Dvp)
-    return (prep(q, Dkp), prep(k, Dkp), prep(v, Dvp),
-            prep(log_alpha.astype(jnp.float32), Dkp), h0)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "chunk", "scale", "interpret"))
@@ -291,43 +112,3 @@ def _gla_call(q, k, v, log_alpha, h0, *, group, chunk, scale, interpret):
         interpret=interpret,
         name="linjax_gla_chunked_fwd",
     )(q, k, v, log_alpha, h0)
-
-
-# ------------------------------------------------------------ differentiation
-
-
-def with_chunked_backward(kernel_forward, chunked_forward, *arrays):
-    """`kernel_forward(*arrays)` with a `jax.custom_vjp` whose backward is the
-    VJP of `chunked_forward(*arrays)` (same arguments, same results; entries
-    of `arrays` may be None, e.g. no initial state).
-
-    The Pallas kernels are forward only; the backward recomputes the forward
-    through the pure-JAX chunked implementation and differentiates that. This
-    is exact (both compute the same function) but not fast: a fused backward
-    kernel is future work. Static options must already be bound (a lambda or
-    functools.partial).
-    """
-
-    @jax.custom_vjp
-    def run(*arrays):
-        return kernel_forward(*arrays)
-
-    def run_fwd(*arrays):
-        return run(*arrays), arrays
-
-    def chunked_vjp(arrays, cotangents):
-        out, vjp = jax.vjp(chunked_forward, *arrays)
-        # The two paths may round outputs to different dtypes (q's vs v's).
-        return vjp(jax.tree.map(lambda c, o: c.astype(o.dtype), cotangents, out))
-
-    # jit: called eagerly, the backward is one compiled program instead of
-    # op-by-op dispatch; under an outer jit it is simply inlined.
-    run.defvjp(run_fwd, jax.jit(chunked_vjp))
-    return run(*arrays)
-
-
-def default_interpret(interpret):
-    """None → interpret on CPU (where no Triton GPU exists), compile otherwise."""
-    if interpret is None:
-        return jax.default_backend() == "cpu"
-    return bool(interpret)

@@ -13,7 +13,7 @@ and β = sigmoid(·) ∈ (0, 1) it is always positive, but unnormalised keys or 
 The gradient through a floored entry is zero.
 
     reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, floor=1e-6) -> (o, final_state)
-    chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64, floor=1e-6) -> (o, final_state)
+    chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK, floor=1e-6) -> (o, final_state)
     step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=1e-6) -> (o, new_state)
 
 Shapes as in gla.py, plus beta [B,T,H] (step: [B,H]), per query head; the
@@ -25,8 +25,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from linjax.kernels import gla
+from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
+                                     initial_state_or_zeros)
 
 KEY_GATE_FLOOR = 1e-6
+CHUNK = gla.CHUNK  # kGLA runs the GLA chunk kernel on a combined gate: its chunk, for the same reasons
 
 
 def key_log_gate(log_alpha, beta, k, floor=KEY_GATE_FLOOR):
@@ -42,57 +45,57 @@ def _key_decay(log_alpha, beta, k, floor):
 
 
 def _check_gates(log_alpha, beta, B, T, H, Dk):
-    gla.check_shape(log_alpha, (B, T, H, Dk), "log_alpha ([B, T, H, Dk])")
-    gla.check_shape(beta, (B, T, H), "beta ([B, T, H])")
+    check_shape(log_alpha, (B, T, H, Dk), "log_alpha ([B, T, H, Dk])")
+    check_shape(beta, (B, T, H), "beta ([B, T, H])")
 
 
 def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, floor=KEY_GATE_FLOOR):
     """The spec: token-by-token fp32 recurrence with the decay α ⊙ max(1 − β k², floor) per step."""
-    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_gates(log_alpha, beta, B, T, H, Dk)
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
-    k = f32(gla.expand_kv_heads(k, H))
-    o, state = gla.scan_recurrence(f32(q), k, f32(gla.expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor),
-                                   gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), scale)
-    return o.astype(q.dtype), state
+    k = f32(expand_kv_heads(k, H))
+    o, state = gla.scan_recurrence(f32(q), k, f32(expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor),
+                                   initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), scale)
+    return o.astype(v.dtype), state
 
 
-def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64, floor=KEY_GATE_FLOOR):
+def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK, floor=KEY_GATE_FLOOR):
     """Chunk-parallel kGLA: the GLA chunk kernel on the combined log-gate."""
-    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_gates(log_alpha, beta, B, T, H, Dk)
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
-    k = f32(gla.expand_kv_heads(k, H))
-    o, state = gla.chunked_scan(f32(q) * scale, k, f32(gla.expand_kv_heads(v, H)),
+    k = f32(expand_kv_heads(k, H))
+    o, state = gla.chunked_scan(f32(q) * scale, k, f32(expand_kv_heads(v, H)),
                                 key_log_gate(log_alpha, beta, k, floor),
-                                gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk)
-    return o.astype(q.dtype), state
+                                initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk)
+    return o.astype(v.dtype), state
 
 
 def step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=KEY_GATE_FLOOR):
     """One decode token: q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], log_alpha [B,H,Dk], beta [B,H]."""
-    B, _, H, _, Dk, Dv = gla.as_token_batch(q, k, v)
-    gla.check_shape(log_alpha, (B, H, Dk), "log_alpha ([B, H, Dk])")
-    gla.check_shape(beta, (B, H), "beta ([B, H])")
-    scale = Dk ** -0.5 if scale is None else scale
+    B, _, H, _, Dk, Dv = as_token_batch(q, k, v)
+    check_shape(log_alpha, (B, H, Dk), "log_alpha ([B, H, Dk])")
+    check_shape(beta, (B, H), "beta ([B, H])")
+    scale = default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
-    k = f32(gla.expand_kv_heads(k, H))
-    state, o = gla.decayed_update(gla.initial_state_or_zeros(state, (B, H, Dk, Dv), "state"), f32(q), k,
-                                  f32(gla.expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor), scale)
-    return o.astype(q.dtype), state
+    k = f32(expand_kv_heads(k, H))
+    state, o = gla.decayed_update(initial_state_or_zeros(state, (B, H, Dk, Dv), "state"), f32(q), k,
+                                  f32(expand_kv_heads(v, H)), _key_decay(log_alpha, beta, k, floor), scale)
+    return o.astype(v.dtype), state
 
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
 
-def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=64,
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK,
            floor=KEY_GATE_FLOOR, interpret=None):
     """`chunked` with the GLA Pallas kernel on the combined log-gate (gla.pallas; its
     backward recomputes through gla.chunked, and the gate's own gradient is plain autodiff)."""
-    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_gates(log_alpha, beta, B, T, H, Dk)
-    log_gate = key_log_gate(log_alpha, beta, gla.expand_kv_heads(k, H), floor)
+    log_gate = key_log_gate(log_alpha, beta, expand_kv_heads(k, H), floor)
     return gla.pallas(q, k, v, log_gate, scale=scale, initial_state=initial_state, chunk=chunk,
                       interpret=interpret)

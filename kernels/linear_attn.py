@@ -3,29 +3,49 @@
 The paper's eq. (normalized-linear-attention), with the feature maps already
 applied: pass φ(q), φ(k) as q, k (the kernel applies none). It runs as GLA
 with no decay on the values with a column of ones appended, [v, 1]: the last
-output column is then the normaliser scale · qᵀz_t, and the state is
+output column is then the normaliser scale · qᵀz_t, and the state carries
+both sums, the normaliser's z beside S:
 
     state [B, H, Dk, Dv + 1] fp32:  state[..., :Dv] = S,  state[..., Dv] = z.
 
-    reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10) -> (o, state, normaliser)
-    chunked(q, k, v, *, scale=None, initial_state=None, chunk=64, normalize=True, eps=1e-10) -> (o, state, normaliser)
-    step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10) -> (o, new_state, normaliser)
+    reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10) -> (out, state)
+    chunked(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10) -> (out, state)
+    step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10) -> (out, new_state)
+    pallas(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10,
+           interpret=None) -> (out, state)
 
-normaliser [B,T,H] (step: [B,H]) = scale · qᵀz_t, fp32. With normalize=True,
-o = numerator / (normaliser + eps) in q's dtype (eps as in FLA's naive
-reference; the feature maps are expected positive, e.g. Hedgehog's softmax
-features, so the normaliser is > 0). With normalize=False, o is the raw
-numerator scale · S_tᵀq_t in fp32, for a mixer that adds a softmax window's
-numerator and denominator before one shared division (LoLCATs).
+Like every kernel, two results; the first is a `NormalizedOutput(o, normaliser)`
+because the per-token normaliser is an output, not a state (it is not fed
+back; its running sum z is what the state carries). normaliser [B,T,H]
+(step: [B,H]) = scale · qᵀz_t, fp32. With normalize=True, o = numerator /
+(normaliser + eps) in v's dtype (eps as in FLA's naive reference; the feature
+maps are expected positive, e.g. Hedgehog's softmax features, so the
+normaliser is > 0). With normalize=False, o is the raw numerator
+scale · S_tᵀq_t in fp32, for a mixer that adds a softmax window's numerator
+and denominator before one shared division (LoLCATs).
 The scale cancels in the normalised output; it is kept so that the
 numerator and normaliser are on the same scale as the other kernels.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 from linjax.kernels import gla
+from linjax.kernels.contract import (as_token_batch, check_qkv, default_scale, expand_kv_heads,
+                                     initial_state_or_zeros)
+
+CHUNK = gla.CHUNK  # the GLA chunk kernel without gates: its chunk, for the same reasons
+
+
+class NormalizedOutput(NamedTuple):
+    """The first result of every function here."""
+
+    o: jax.Array  # [..., H, Dv]: numerator / (normaliser + eps), or the fp32 numerator with normalize=False
+    normaliser: jax.Array  # [..., H] fp32: scale · qᵀz_t
 
 
 def _append_ones(v):
@@ -33,60 +53,54 @@ def _append_ones(v):
 
 
 def _finish(out, dtype, normalize, eps):
-    """Split [..., Dv+1] fp32 outputs into (numerator or normalised o, normaliser)."""
+    """Split [..., Dv+1] fp32 outputs into NormalizedOutput(normalised o or numerator, normaliser)."""
     numerator, normaliser = out[..., :-1], out[..., -1]
     if normalize:
-        return (numerator / (normaliser[..., None] + eps)).astype(dtype), normaliser
-    return numerator, normaliser
+        return NormalizedOutput((numerator / (normaliser[..., None] + eps)).astype(dtype), normaliser)
+    return NormalizedOutput(numerator, normaliser)
 
 
 def reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10):
     """The spec: token-by-token fp32 sums S_t, z_t (no decay)."""
-    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
-    scale = Dk ** -0.5 if scale is None else scale
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    state = gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
-    out, state = gla.scan_recurrence(f32(q), f32(gla.expand_kv_heads(k, H)),
-                                     _append_ones(f32(gla.expand_kv_heads(v, H))), None, state, scale)
-    o, normaliser = _finish(out, q.dtype, normalize, eps)
-    return o, state, normaliser
+    state = initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
+    out, state = gla.scan_recurrence(f32(q), f32(expand_kv_heads(k, H)),
+                                     _append_ones(f32(expand_kv_heads(v, H))), None, state,
+                                     default_scale(scale, Dk))
+    return _finish(out, v.dtype, normalize, eps), state
 
 
-def chunked(q, k, v, *, scale=None, initial_state=None, chunk=64, normalize=True, eps=1e-10):
+def chunked(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10):
     """Chunk-parallel form: the GLA chunk kernel without gates (causal q kᵀ per chunk)."""
-    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
-    scale = Dk ** -0.5 if scale is None else scale
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    state = gla.initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
-    out, state = gla.chunked_scan(f32(q) * scale, f32(gla.expand_kv_heads(k, H)),
-                                  _append_ones(f32(gla.expand_kv_heads(v, H))), None, state, chunk)
-    o, normaliser = _finish(out, q.dtype, normalize, eps)
-    return o, state, normaliser
+    state = initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
+    out, state = gla.chunked_scan(f32(q) * default_scale(scale, Dk), f32(expand_kv_heads(k, H)),
+                                  _append_ones(f32(expand_kv_heads(v, H))), None, state, chunk)
+    return _finish(out, v.dtype, normalize, eps), state
 
 
 def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
     """One decode token: q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv], state [B,H,Dk,Dv+1]."""
-    B, _, H, _, Dk, Dv = gla.as_token_batch(q, k, v)
-    scale = Dk ** -0.5 if scale is None else scale
+    B, _, H, _, Dk, Dv = as_token_batch(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    state, out = gla.decayed_update(gla.initial_state_or_zeros(state, (B, H, Dk, Dv + 1), "state"), f32(q),
-                                    f32(gla.expand_kv_heads(k, H)), _append_ones(f32(gla.expand_kv_heads(v, H))),
-                                    None, scale)
-    o, normaliser = _finish(out, q.dtype, normalize, eps)
-    return o, state, normaliser
+    state, out = gla.decayed_update(initial_state_or_zeros(state, (B, H, Dk, Dv + 1), "state"), f32(q),
+                                    f32(expand_kv_heads(k, H)), _append_ones(f32(expand_kv_heads(v, H))),
+                                    None, default_scale(scale, Dk))
+    return _finish(out, v.dtype, normalize, eps), state
 
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
 
-def pallas(q, k, v, *, scale=None, initial_state=None, chunk=64, normalize=True, eps=1e-10,
+def pallas(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10,
            interpret=None):
     """`chunked` with the GLA Pallas kernel on zero gates and [v, 1] (gla.pallas; its backward
-    recomputes through gla.chunked). Run in fp32 so the normaliser is not rounded to q's dtype."""
-    B, T, H, Hkv, Dk, Dv = gla.check_qkv(q, k, v)
+    recomputes through gla.chunked). Run in fp32 so the normaliser is not rounded to v's dtype."""
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     no_decay = jnp.zeros((B, T, H, Dk), jnp.float32)
     out, state = gla.pallas(f32(q), k, _append_ones(f32(v)), no_decay, scale=scale,
                             initial_state=initial_state, chunk=chunk, interpret=interpret)
-    o, normaliser = _finish(out, q.dtype, normalize, eps)
-    return o, state, normaliser
+    return _finish(out, v.dtype, normalize, eps), state

@@ -10,13 +10,13 @@ is a sink or one of the w most recent tokens, otherwise through the linear
 state. This module has the softmax part and the input shift for the linear
 part; the mixer adds the two.
 
-Softmax part (GQA as in gla.py: query head h reads kv head h // (H // Hkv)):
+Softmax part (GQA as in contract.py: query head h reads kv head h // (H // Hkv)):
 
     reference(q, k, v, *, sinks, window, scale=None) -> SoftmaxParts     # dense [T, T] mask, tests only
-    chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None) -> SoftmaxParts
-    prefill(q, k, v, cache, *, scale=None, chunk=64) -> (SoftmaxParts, new_cache)
+    chunked(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None) -> SoftmaxParts
+    prefill(q, k, v, cache, *, scale=None, chunk=CHUNK) -> (SoftmaxParts, new_cache)
     step(q, k, v, cache, *, scale=None) -> (SoftmaxParts, new_cache)   # q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv]
-    leaving_window(rings, count, *, sinks) -> linear inputs of the token leaving the window (decode)
+    leaving_window(rings, length, *, sinks) -> linear inputs of the token leaving the window (decode)
     empty_cache(batch, kv_heads, key_dim, value_dim, *, sinks, window, dtype) -> WindowCache
     update_cache(cache, k, v) -> WindowCache
 
@@ -42,7 +42,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels.gla import as_token_batch, check_qkv
+from linjax.kernels import swa_pallas
+from linjax.kernels.contract import as_token_batch, check_qkv, default_scale
+from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+
+# Default query block of `chunked`, `prefill` and `pallas`. A block attends to itself and the
+# ⌈window / chunk⌉ blocks before it, so with the paper's budget (window 56 or 64) a 64-query block
+# reads 128 keys, about twice the keys it needs; the Pallas kernel uses the same block as its
+# power-of-two tile.
+CHUNK = 64
 
 _MASKED = -1e30  # finite "−inf": a row's max stays finite, exp(_MASKED − max) = 0
 
@@ -59,11 +67,12 @@ class SoftmaxParts(NamedTuple):
 
 
 class WindowCache(NamedTuple):
-    """Decode state: the first `sinks` keys/values in slots, the last `window` in a ring, and the count seen.
+    """Decode state: the first `sinks` keys/values in slots, the last `window` in a ring, and the tokens seen.
 
     sink_k [B,sinks,Hkv,Dk], sink_v [B,sinks,Hkv,Dv]: slot j holds position j (once seen).
     ring_k [B,window,Hkv,Dk], ring_v [B,window,Hkv,Dv]: slot r holds the latest position p ≡ r (mod window).
-    count: int32 scalar, tokens seen so far (= position of the next token).
+    length: int32 scalar, tokens seen so far (= position of the next token), the counter every decode
+    state has (linjax/mixers/states.py).
     Every token is written to the ring, sinks too; the attention mask skips ring
     entries at positions < sinks (they are read from the sink slots).
     """
@@ -72,7 +81,7 @@ class WindowCache(NamedTuple):
     sink_v: jax.Array
     ring_k: jax.Array
     ring_v: jax.Array
-    count: jax.Array
+    length: jax.Array
 
     @property
     def sinks(self):
@@ -109,7 +118,7 @@ def reference(q, k, v, *, sinks, window, scale=None):
     """Dense softmax with the sink + window mask over the whole [T, T] score matrix (the spec; tests only)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_budget(sinks, window)
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     G = H // Hkv
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dk)
     scores = scale * jnp.einsum("btkgd,bjkd->bkgtj", qg, k.astype(jnp.float32))
@@ -133,29 +142,29 @@ def empty_cache(batch, kv_heads, key_dim, value_dim, *, sinks, window, dtype=jnp
                        zeros(window, value_dim), jnp.zeros((), jnp.int32))
 
 
-def unroll_ring(ring, count):
-    """Ring [B,W,...] -> the same entries in position order: entry e holds position count − W + e.
+def unroll_ring(ring, length):
+    """Ring [B,W,...] -> the same entries in position order: entry e holds position length − W + e.
 
     Entries at positions < 0 were never written (zeros). Works for any ring
     written with `write_ring` (a mixer may keep its own rings, e.g. of gates).
     """
     W = ring.shape[1]
-    return jnp.take(ring, (jnp.arange(W) + count) % W, axis=1)
+    return jnp.take(ring, (jnp.arange(W) + length) % W, axis=1)
 
 
-def write_ring(ring, x, count):
-    """Write x [B,T,...] (positions count .. count+T−1) into ring [B,W,...]: slot r gets the latest p ≡ r mod W."""
+def write_ring(ring, x, length):
+    """Write x [B,T,...] (positions length .. length+T−1) into ring [B,W,...]: slot r gets the latest p ≡ r mod W."""
     W = ring.shape[1]
     if x.shape[1] == 1:  # decode: one slot, updated in place when the state is donated
-        return jax.lax.dynamic_update_slice_in_dim(ring, x.astype(ring.dtype), count % W, axis=1)
-    latest = jnp.concatenate([unroll_ring(ring, count), x.astype(ring.dtype)], axis=1)[:, -W:]
-    return jnp.take(latest, (jnp.arange(W) - (count + x.shape[1])) % W, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(ring, x.astype(ring.dtype), length % W, axis=1)
+    latest = jnp.concatenate([unroll_ring(ring, length), x.astype(ring.dtype)], axis=1)[:, -W:]
+    return jnp.take(latest, (jnp.arange(W) - (length + x.shape[1])) % W, axis=1)
 
 
-def _write_sinks(slots, x, count):
-    """Sink slots [B,S,...] with positions count .. count+T−1 of x [B,T,...] written where < S."""
+def _write_sinks(slots, x, length):
+    """Sink slots [B,S,...] with positions length .. length+T−1 of x [B,T,...] written where < S."""
     S, T = slots.shape[1], x.shape[1]
-    offset = jnp.arange(S) - count
+    offset = jnp.arange(S) - length
     fresh = (offset >= 0) & (offset < T)
     taken = jnp.take(x, jnp.clip(offset, 0, T - 1), axis=1).astype(slots.dtype)
     return jnp.where(fresh.reshape((1, S) + (1,) * (x.ndim - 2)), taken, slots)
@@ -163,7 +172,7 @@ def _write_sinks(slots, x, count):
 
 def update_cache(cache, k, v):
     """The cache after also seeing k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] (any T ≥ 1)."""
-    c = cache.count
+    c = cache.length
     return WindowCache(_write_sinks(cache.sink_k, k, c), _write_sinks(cache.sink_v, v, c),
                        write_ring(cache.ring_k, k, c), write_ring(cache.ring_v, v, c),
                        c + jnp.asarray(k.shape[1], jnp.int32))
@@ -172,11 +181,11 @@ def update_cache(cache, k, v):
 # ------------------------------------------------------------ blocked, linear in T
 
 
-def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
+def chunked(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None):
     """Sink + sliding-window softmax in query blocks of `chunk`: each block sees its own block, the
     ⌈window/chunk⌉ blocks before it and the sink keys, so memory and work are O(T · (chunk + window + sinks)).
 
-    With `cache`, the queries sit at positions cache.count .. cache.count+T−1 and
+    With `cache`, the queries sit at positions cache.length .. cache.length+T−1 and
     also see the cached sinks and ring (a prefill split anywhere equals one pass).
     Returns SoftmaxParts [B,T,H,...] (fp32).
     """
@@ -184,7 +193,7 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
     _check_budget(sinks, window)
     if T == 0:
         raise ValueError("swa.chunked needs at least one token (T = 0)")
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     G = H // Hkv
     f32 = lambda x: x.astype(jnp.float32)
     q, k, v = f32(q), f32(k), f32(v)
@@ -197,7 +206,7 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
         if (cache.sinks, cache.window) != (sinks, window) or cache.ring_k.shape[2:] != (Hkv, Dk):
             raise ValueError(f"cache holds sinks={cache.sinks}, window={cache.window}, kv heads × dim "
                              f"{cache.ring_k.shape[2:]}; the call asks sinks={sinks}, window={window}, {(Hkv, Dk)}")
-        start = cache.count
+        start = cache.length
         history_k, history_v = f32(unroll_ring(cache.ring_k, start)), f32(unroll_ring(cache.ring_v, start))
         sink_k, sink_v = f32(_write_sinks(cache.sink_k, k, start)), f32(_write_sinks(cache.sink_v, v, start))
 
@@ -236,7 +245,7 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None):
     return SoftmaxParts(to_bthd(numerator), to_bthd(row_max), to_bthd(row_sum))
 
 
-def prefill(q, k, v, cache, *, scale=None, chunk=64):
+def prefill(q, k, v, cache, *, scale=None, chunk=CHUNK):
     """Attend a block of new tokens after `cache` and return (SoftmaxParts, cache after them)."""
     parts = chunked(q, k, v, sinks=cache.sinks, window=cache.window, scale=scale, chunk=chunk, cache=cache)
     return parts, update_cache(cache, k, v)
@@ -245,9 +254,9 @@ def prefill(q, k, v, cache, *, scale=None, chunk=64):
 def step(q, k, v, cache, *, scale=None):
     """One decode token (q [B,H,Dk], k [B,Hkv,Dk], v [B,Hkv,Dv]) against the ring buffer: O(sinks + window)."""
     B, _, H, Hkv, Dk, Dv = as_token_batch(q, k, v)
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = default_scale(scale, Dk)
     G = H // Hkv
-    t = cache.count
+    t = cache.length
     cache = update_cache(cache, k[:, None], v[:, None])
     W, S = cache.window, cache.sinks
     ring_pos = t - (t - jnp.arange(W)) % W  # position held by each ring slot
@@ -313,24 +322,22 @@ def shifted_linear_inputs(k, v, *gates, sinks, window, history=None, start=0):
     return tuple(shifted)
 
 
-def leaving_window(rings, count, *, sinks):
-    """Decode form of `shifted_linear_inputs` for the one token at position `count`: the linear inputs
-    (k', v', *gates) of position count − window, which leaves the window now, read from the rings the
-    mixer keeps with `write_ring` (slot count mod window; zeros before the sequence starts), the key
-    zeroed if that position is a sink. Equals shifted_linear_inputs(..., history=unrolled rings, start=count)
+def leaving_window(rings, length, *, sinks):
+    """Decode form of `shifted_linear_inputs` for the one token at position `length`: the linear inputs
+    (k', v', *gates) of position length − window, which leaves the window now, read from the rings the
+    mixer keeps with `write_ring` (slot length mod window; zeros before the sequence starts), the key
+    zeroed if that position is a sink. Equals shifted_linear_inputs(..., history=unrolled rings, start=length)
     with T = 1, without unrolling (copying) every ring at every step. Returns [B, 1, ...] arrays."""
     window = rings[0].shape[1]
-    entries = [jax.lax.dynamic_slice_in_dim(ring, count % window, 1, axis=1) for ring in rings]
-    entries[0] = jnp.where(count - window >= sinks, entries[0], jnp.zeros((), entries[0].dtype))
+    entries = [jax.lax.dynamic_slice_in_dim(ring, length % window, 1, axis=1) for ring in rings]
+    entries[0] = jnp.where(length - window >= sinks, entries[0], jnp.zeros((), entries[0].dtype))
     return tuple(entries)
 
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
-from linjax.kernels import gla_pallas, swa_pallas  # noqa: E402  (appended block; no import cycle)
 
-
-def pallas(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None, interpret=None):
+def pallas(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None, interpret=None):
     """`chunked` as one Pallas (Triton) kernel, see swa_pallas.py; same arguments and
     SoftmaxParts. Differentiable through a `jax.custom_vjp` whose backward recomputes through
     `chunked` (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter
@@ -341,8 +348,8 @@ def pallas(q, k, v, *, sinks, window, scale=None, chunk=64, cache=None, interpre
                                   "cache use swa.prefill / swa.chunked(..., cache=cache)")
     check_qkv(q, k, v)
     _check_budget(sinks, window)
-    interpret = gla_pallas.default_interpret(interpret)
+    interpret = default_interpret(interpret)
     kernel = lambda *a: SoftmaxParts(*swa_pallas.forward(
         *a, sinks=sinks, window=window, scale=scale, block=chunk, interpret=interpret))
     spec = lambda *a: chunked(*a, sinks=sinks, window=window, scale=scale, chunk=chunk)
-    return gla_pallas.with_chunked_backward(kernel, spec, q, k, v)
+    return with_chunked_backward(kernel, spec, q, k, v)

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from linjax.kernels.gla_pallas import (
+from linjax.kernels.contract import check_qkv
+from linjax.kernels.pallas_common import (
     load_rows, matmul, matmul_t, pad_axis, tile_size, triton_params)
 
 _MASKED = -1e30  # finite stand-in for −inf in masked scores
@@ -74,7 +75,7 @@ def _swa_kernel(q_ref, k_ref, v_ref, num_ref, max_ref, sum_ref, *, block: int,
     num_ref[...], max_ref[...], sum_ref[...] = carry[2], carry[0], carry[1]
 
 
-def forward(q, k, v, *, sinks: int, window: int, scale=None, block=64,
+def forward(q, k, v, *, sinks: int, window: int, scale=None, block: int,
             interpret=False):
     """Sliding-window + sink softmax attention as one Pallas call.
 
@@ -85,14 +86,7 @@ def forward(q, k, v, *, sinks: int, window: int, scale=None, block=64,
     unnormalised as in `swa.SoftmaxParts` (o = numerator / row_sum). Forward
     only.
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [batch, time, heads, dim]; got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    B, T, H, Dk = q.shape
-    Hkv, Dv = k.shape[2], v.shape[3]
-    if k.shape != (B, T, Hkv, Dk) or v.shape[:3] != (B, T, Hkv) or H % Hkv:
-        raise ValueError(f"expected k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] with H a "
-                         f"multiple of Hkv; got q {q.shape}, k {k.shape}, v {v.shape}")
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     if window < 1 or sinks < 0:
         raise ValueError(f"need window ≥ 1 and sinks ≥ 0; got window={window}, sinks={sinks}")
     if block < 16 or block & (block - 1):

@@ -110,13 +110,10 @@ class CausalLM(nnx.Module):
 
 
 def _cache_length(states):
-    """Tokens already consumed, read from the first layer state that counts them."""
-    for state in states:
-        if hasattr(state, "length"):
-            return state.length
-        if hasattr(state, "count"):  # a window-only layer's swa.WindowCache
-            return state.count
-    raise ValueError("decoding states carry no `length`; pass `positions` explicitly")
+    """Tokens already consumed: every layer's decode state counts them in `length` (linjax/mixers/states.py)."""
+    if not states:
+        raise ValueError("no decoding states (the model has no layers?); pass `positions` explicitly")
+    return states[0].length
 
 
 def abstract_model(hf_config, linearize=None, dtype=jnp.float32) -> CausalLM:

@@ -24,8 +24,6 @@ and `features(q, k)`, and names its kernel module in `linjax.kernels`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,16 +31,7 @@ from flax import nnx
 from linjax.adapters import LoRA, ShortConv
 from linjax.kernels import swa
 from linjax.layers import AttentionProjections, Trainable
-
-
-class LinearState(NamedTuple):
-    """Decode state of a linear mixer; its size does not depend on the context length."""
-
-    linear: jax.Array  # the kernel's state [B, H, Dk', Dv'] (fp32)
-    length: jax.Array  # [] int32, tokens consumed
-    conv: tuple | None  # short-conv caches for q, k, v: [B, K-1, channels]
-    window: swa.WindowCache | None  # pretrained keys/values of the sinks and the window
-    shifted: tuple | None  # rings [B, w, ...] of the linear inputs (k', v', *gates) still in the window
+from linjax.mixers.states import LinearState
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -97,14 +86,15 @@ class LinearMixer(nnx.Module):
         if self.scale is not None:
             extra["scale"] = self.scale
         if decode:
-            out = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state, **extra)
-            out = (out[0][:, None],) + tuple(out[1:])
-            if self.normalized:
-                out = (out[0], out[1], out[2][:, None])
+            out, state = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state,
+                                          **extra)
+            out = jax.tree.map(lambda x: x[:, None], out)  # back to one time step
         else:
             run = self.kernel.pallas if self.use_pallas else self.kernel.chunked
-            out = run(q, k, v, *gates, initial_state=state, **extra)
-        return (out[0], out[1], out[2] if self.normalized else None)
+            out, state = run(q, k, v, *gates, initial_state=state, **extra)
+        if self.normalized:  # linear_attn.NormalizedOutput
+            return out.o, state, out.normaliser
+        return out, state, None
 
     def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> LinearState:
         del max_length  # a linear layer's state does not grow with the context

@@ -8,22 +8,13 @@ values at `cache.length` and attends over everything cached so far.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from linjax.config import ModelConfig
 from linjax.layers import AttentionProjections
-
-
-class KVCache(NamedTuple):
-    """Keys and values of every position so far, head-major so decoding reads them without a transpose."""
-
-    k: jax.Array  # [B, Hkv, max_length, D]
-    v: jax.Array  # [B, Hkv, max_length, D]
-    length: jax.Array  # [] int32, positions already written
+from linjax.mixers.states import KVCache
 
 
 def causal_attention(q, k, v):

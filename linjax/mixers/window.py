@@ -19,6 +19,7 @@ from flax import nnx
 
 from linjax.kernels import swa
 from linjax.layers import AttentionProjections
+from linjax.mixers.states import WindowCache
 
 
 class WindowAttention(nnx.Module):
@@ -35,12 +36,12 @@ class WindowAttention(nnx.Module):
         self.chunk = settings.chunk
         self.use_pallas = settings.kernel == "pallas"
 
-    def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> swa.WindowCache:
+    def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> WindowCache:
         del max_length  # the cache holds sinks + window tokens, whatever the context length
         return swa.empty_cache(batch, self.proj.num_kv_heads, self.proj.head_dim, self.proj.head_dim,
                                sinks=self.sinks, window=self.window, dtype=dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: swa.WindowCache | None = None):
+    def __call__(self, x: jax.Array, positions: jax.Array, state: WindowCache | None = None):
         q, k, v = self.proj.qkv(x, positions)
         chunk = {} if self.chunk is None else {"chunk": self.chunk}
         if state is None:

@@ -81,10 +81,15 @@ def projections(outputs_shapes, seed):
     return tuple(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)) for shape in outputs_shapes)
 
 
+def first_output(result):
+    """o of a kernel's (o, state) result (linear_attn's o is a NormalizedOutput that also carries its normaliser)."""
+    return jax.tree.leaves(result[0])[0]
+
+
 def _projected(fn, args, state, directions):
-    """Σ_i ⟨P_i, output_i⟩ over all outputs (o, final state[, normaliser])."""
+    """Σ_i ⟨P_i, output_i⟩ over all outputs (o[, normaliser], final state)."""
     outputs = fn(*args, initial_state=state)
-    return sum((out.astype(jnp.float32) * p).sum() for out, p in zip(outputs, directions)), outputs
+    return sum((out.astype(jnp.float32) * p).sum() for out, p in zip(jax.tree.leaves(outputs), directions)), outputs
 
 
 @functools.partial(jax.jit, static_argnames=("mechanism", "chunk", "options"), compiler_options=FAST_COMPILE)
@@ -106,10 +111,11 @@ def compare_chunked(mechanism, args, state, *, chunk=64, seed=0, out_tol=1e-5, g
                     options=()):
     """Assert chunked ≈ reference for every output and gradient; returns the worst errors (out, grad)."""
     module = MECHANISMS[mechanism]
-    shapes = [x.shape for x in jax.eval_shape(functools.partial(module.reference, initial_state=state), *args)]
+    shapes = [x.shape for x in jax.tree.leaves(
+        jax.eval_shape(functools.partial(module.reference, initial_state=state), *args))]
     (out_c, grad_c), (out_r, grad_r) = chunked_and_reference(mechanism, args, state, projections(shapes, seed),
                                                              chunk=chunk, options=options)
-    out_err = max(relative_rms(c, r) for c, r in zip(out_c, out_r))
+    out_err = max(relative_rms(c, r) for c, r in zip(jax.tree.leaves(out_c), jax.tree.leaves(out_r)))
     grad_err = max(relative_rms(c, r) for c, r in zip(jax.tree.leaves(grad_c), jax.tree.leaves(grad_r)))
     for x in jax.tree.leaves((out_c, grad_c)):
         assert np.isfinite(np.asarray(x, np.float32)).all()
@@ -126,7 +132,7 @@ def stepped(mechanism, args, state):
 
     def one_token(S, xs):
         out = module.step(*xs, state=S)
-        return out[1], (out[0],) + tuple(out[2:])
+        return out[1], tuple(jax.tree.leaves(out[0]))
 
     state, per_token = jax.lax.scan(one_token, state, tuple(jnp.swapaxes(x, 0, 1) for x in args))
     return tuple(jnp.swapaxes(x, 0, 1) for x in per_token), state
@@ -135,8 +141,9 @@ def stepped(mechanism, args, state):
 def compare_step(mechanism, args, state, tol=1e-5):
     (o, *extra), final = stepped(mechanism, args, state)
     ref = MECHANISMS[mechanism].reference(*args, initial_state=state)
-    errs = [relative_rms(o, ref[0]), relative_rms(final, ref[1])] + [relative_rms(e, r) for e, r in
-                                                                      zip(extra, ref[2:])]
+    ref_o, *ref_extra = jax.tree.leaves(ref[0])
+    errs = [relative_rms(o, ref_o), relative_rms(final, ref[1])] + [relative_rms(e, r) for e, r in
+                                                                     zip(extra, ref_extra)]
     assert max(errs) <= tol, errs
 
 
@@ -152,7 +159,8 @@ def _split_and_whole(mechanism, args, state, split):
 def compare_split(mechanism, args, state, split):
     """Running [0, split) then [split, T) from the carried state equals one pass."""
     whole, first, second = _split_and_whole(mechanism, args, state, split)
-    assert relative_rms(jnp.concatenate([first[0], second[0]], axis=1), whole[0]) <= 1e-5
+    assert relative_rms(jnp.concatenate([first_output(first), first_output(second)], axis=1),
+                        first_output(whole)) <= 1e-5
     assert relative_rms(second[1], whole[1]) <= 1e-5
 
 
@@ -167,8 +175,8 @@ def _bf16_and_reference(mechanism, args, state):
 def compare_bf16(mechanism, args, state, tol=5e-3):
     """bf16 inputs through chunked vs the fp32 reference on the same (rounded) values; output dtype is bf16."""
     out, ref = _bf16_and_reference(mechanism, args, state)
-    assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.float32
-    assert relative_rms(out[0], ref[0]) <= tol and relative_rms(out[1], ref[1]) <= tol
+    assert first_output(out).dtype == jnp.bfloat16 and out[1].dtype == jnp.float32
+    assert relative_rms(first_output(out), first_output(ref)) <= tol and relative_rms(out[1], ref[1]) <= tol
 
 
 # ------------------------------------------------------------------------ tests

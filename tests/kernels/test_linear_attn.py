@@ -43,8 +43,8 @@ def test_bf16_inputs():
 def test_state_layout_and_unnormalised_mode():
     """state[..., :Dv] = Σ k vᵀ, state[..., Dv] = Σ k; normalize=False gives o = numerator / normaliser."""
     (q, k, v), _ = random_inputs("linear_attn", 5, 40, 4, 16)
-    o, state, normaliser = linear_attn.chunked(q, k, v)
-    numerator, state_raw, normaliser_raw = linear_attn.chunked(q, k, v, normalize=False)
+    (o, normaliser), state = linear_attn.chunked(q, k, v)
+    (numerator, normaliser_raw), state_raw = linear_attn.chunked(q, k, v, normalize=False)
     assert numerator.dtype == jnp.float32
     assert relative_rms(state[..., :-1], jnp.einsum("btkd,btke->bkde", k, v)) <= 1e-5
     assert relative_rms(state[..., -1], k.sum(axis=1)) <= 1e-5
@@ -58,7 +58,7 @@ def test_reference_matches_fla_naive_linear_attn(dtype):
     naive = fla_naive("linear_attn")  # skips, or fails in CI, without torch and fla-core
     import torch
     (q, k, v), _ = random_inputs("linear_attn", 41, 70, 4, 16)
-    o, state, _ = linear_attn.reference(q, k, v)
+    (o, _), state = linear_attn.reference(q, k, v)
     t = lambda x: torch.tensor(np.asarray(x), dtype=getattr(torch, dtype))
     o_fla, (S_fla, z_fla) = naive.naive_recurrent_linear_attn(t(q), t(k), t(v), normalize=True,
                                                               output_final_state=True)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from linjax.kernels import gdn, gla, gla_pallas, kgla, linear_attn, swa
+from linjax.kernels import gdn, gla, kgla, linear_attn, pallas_common, swa
 from tests.helpers import relative_rms
 
 B, H = 2, 4
@@ -205,8 +205,8 @@ def test_swa_backward(sinks, window):
 
 
 def test_interpret_defaults_to_cpu_backend():
-    assert gla_pallas.default_interpret(None) == (jax.default_backend() == "cpu")
-    assert gla_pallas.default_interpret(False) is False
+    assert pallas_common.default_interpret(None) == (jax.default_backend() == "cpu")
+    assert pallas_common.default_interpret(False) is False
 
 
 def test_bad_inputs_raise_readable_errors():

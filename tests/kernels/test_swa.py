@@ -87,7 +87,7 @@ def test_ring_buffer_decode_equals_dense(T, sinks, window, chunk, Hkv):
     q, k, v = _inputs(3 * T, T, Hkv)
     o, cache = _decode(q, k, v, sinks, window)
     assert relative_rms(o, swa.reference(q, k, v, sinks=sinks, window=window).normalized()) <= 1e-5
-    assert int(cache.count) == T
+    assert int(cache.length) == T
 
 
 @pytest.mark.parametrize("splits", [(1, 64, 65, 130)])
