@@ -143,6 +143,8 @@ def main():
     parser.add_argument("--seq-lens", default="512,1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="results/bench/train.json")
+    parser.add_argument("--no-train-steps", action="store_true",
+                        help="only the forward and floor rows of both frameworks (a few minutes)")
     args = parser.parse_args()
     base, _ = linjax.load("smollm2-135m")
     mesh = sharding.make_mesh()
@@ -166,7 +168,7 @@ def main():
             record("PyTorch", what, seq_len, call)
         for what, call in linjax_calls(base, seq_len).items():
             record("linjax", what, seq_len, call)
-        for name, config in STEPS.items():
+        for name, config in ({} if args.no_train_steps else STEPS).items():
             record("linjax", f"train step: {name}", seq_len, train_step_call(base, config, seq_len, mesh))
     print(markdown(rows))
     print(f"wrote {args.out}")
