@@ -38,6 +38,11 @@ MECHANISMS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
 ADAPTERS = (None, "shortconv", "lora")
 WINDOWS = ((0, 0), (64, 0), (56, 8))
 TOLERANCE = 1e-4
+# SmolLM2-135M: 30 layers, logits up to ~36. The same code and versions give a max abs difference of
+# 6.8e-5 on an AMD EPYC (AVX2) and 1.25e-4 on an Intel Xeon (AVX-512): both frameworks' fp32 matmuls
+# round in the order their CPU kernels block the sums. The bound keeps a 2x margin over the worst seen
+# (relative to the logit scale: 7e-6); the 20 greedy tokens must still be identical.
+SMOLLM2_TOLERANCE = 2.5e-4
 SEQUENCE = 150  # longer than the window, so the shifted linear term is exercised
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -354,7 +359,7 @@ print(json.dumps({"max_abs": float(np.abs(logits - data["logits"]).max()),
 
 @pytest.mark.slow
 def test_smollm2_export_matches_linjax_without_jax(tmp_path):
-    """The real SmolLM2-135M, linearized with the paper's recipe: logits within 1e-4 and the same 20 greedy
+    """The real SmolLM2-135M, linearized with the paper's recipe: logits within 2.5e-4 and the same 20 greedy
     tokens (PyTorch decoding with LinjaxCache against linjax.generate)."""
     from linjax.convert.sources import embedded_gguf_path
 
@@ -366,5 +371,5 @@ def test_smollm2_export_matches_linjax_without_jax(tmp_path):
     _run(["-c", f"from tests.test_export import write_smollm2_case; write_smollm2_case({root!r})"], cwd=ROOT)
     result = json.loads(_run(["-c", SMOLLM2_CHECK, root], cwd=root).strip().splitlines()[-1])
     print(json.dumps(result))
-    assert result["max_abs"] <= TOLERANCE, f"max abs logit difference {result['max_abs']:.2e}"
+    assert result["max_abs"] <= SMOLLM2_TOLERANCE, f"max abs logit difference {result['max_abs']:.2e}"
     assert result["generated"] == result["expected"], "PyTorch greedy generation differs from linjax.generate"
