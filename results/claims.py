@@ -4,6 +4,11 @@
     python results/claims.py evaluate ROW [ROW ...]     # its evaluations, into results/runs/ROW/eval/
     python results/claims.py report                     # results/claims.md from what is evaluated
 
+The output-scale and gate-bias ablation (configs/claims/ablation/, 300 steps x 512 tokens each) is
+trained with `linjax train configs/claims/ablation/NAME.toml` and scored with `linjax eval perplexity`
+on the same 64 WikiText-2 windows into results/runs/ablation/NAME/eval/wikitext2.json; `report` adds
+its table to claims.md.
+
 Every row is SmolLM2-135M linearized as configs/claims/ROW.toml says and trained 2,000 steps x 512
 tokens (`linjax train configs/claims/ROW.toml [--resume]`), except `original` (the full-attention
 model) and `window-w56-s8` (sinks + window softmax with no linear state: nothing to train). Every row
@@ -100,6 +105,14 @@ def evaluations(row, model):
     }
 
 
+def is_done(name, path):
+    """An evaluation counts as done once its output exists; lm-eval's file is written at the start of a
+    resumable run too, so LAMBADA is done only when the file lists the task as finished."""
+    if name == "lambada":
+        return "lambada_openai" in ((_load(path) or {}).get("finished_tasks") or [])
+    return os.path.exists(path)
+
+
 def evaluate(rows, only):
     for row in rows:
         if row not in ROWS:
@@ -108,7 +121,7 @@ def evaluate(rows, only):
         for name, (done, command) in evaluations(row, model).items():
             if only and name not in only or (name == "approx" and row == "original"):
                 continue
-            if os.path.exists(done):
+            if is_done(name, done):
                 print(f"{row}: {name} already in {os.path.relpath(done, ROOT)}")
                 continue
             os.makedirs(eval_dir(row), exist_ok=True)
@@ -237,6 +250,7 @@ def report():
     lines.append("| error is largest on early tokens (pure GDN, per-token nMSE) | Fig. 4c: highest at the first "
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
                  f"{fmt(pure.get('nmse_after64'), 3)} | {early} |")
+    lines += ablation_lines()
     path = os.path.join(HERE, "claims.md")
     with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -244,10 +258,36 @@ def report():
     print(f"wrote {os.path.relpath(path, ROOT)}")
 
 
+ABLATION = os.path.join(ROOT, "configs", "claims", "ablation")
+
+
+def ablation_lines():
+    """claims.md's ablation section: one line per configs/claims/ablation/ row (its first comment line
+    says what it varies), the last 100 steps' train loss and WikiText-2 perplexity where measured."""
+    lines = ["", "## Ablation: output scale and decay-gate bias (300 steps x 512 tokens each)", "",
+             "Same data, seed and optimiser as the claims rows (30 warm-up steps); compare within a group "
+             "(pure GDN, GDN + w56 + s8, pure GLA). Perplexity: the same 64 WikiText-2 windows.", "",
+             "| row | what it varies | trained steps | train loss (last 100) | WikiText-2 ppl |", "|---|---|---|---|---|"]
+    for name in sorted(f[:-5] for f in os.listdir(ABLATION) if f.endswith(".toml")):
+        with open(os.path.join(ABLATION, f"{name}.toml")) as f:
+            what = f.readline().split(" — ", 1)[-1].strip()
+        directory = os.path.join(HERE, "runs", "ablation", name)
+        steps, losses = 0, []
+        if os.path.exists(os.path.join(directory, "metrics.jsonl")):
+            with open(os.path.join(directory, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            steps, losses = len(records), [r["loss"] for r in records]
+        ppl = _load(os.path.join(directory, "eval", "wikitext2.json"))
+        lines.append(f"| {name} | {what} | {steps or 'not started'} | "
+                     f"{fmt(statistics.fmean(losses[-100:]) if losses else None, 3)} | "
+                     f"{fmt(ppl['results'][0]['perplexity'] if ppl else None)} |")
+    return lines
+
+
 def status():
     for row in ROWS:
         steps, finished = training_state(row)
-        done = [name for name, (path, _) in evaluations(row, "MODEL").items() if os.path.exists(path)]
+        done = [name for name, (path, _) in evaluations(row, "MODEL").items() if is_done(name, path)]
         state = ("untrained" if steps is None else f"finished ({steps} steps)" if finished
                  else f"step {steps} of {planned_steps(row)}")
         print(f"{row:30s} {state:22s} evaluated: {', '.join(done) or 'nothing'}")
