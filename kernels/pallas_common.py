@@ -94,19 +94,26 @@ def load_rows(ref, start, n: int):
     return ref[pl.ds(start, n)].astype(jnp.float32)
 
 
+# Every in-kernel dot runs on fp32 operands at full precision: Triton's lowering otherwise
+# uses TF32 (10-bit mantissa) for fp32 dots, which breaks the fp32 tolerances of the tests
+# and the reverse cumulative sums of log α (ChunkGates.suffix, a dot with a mask) at hard
+# resets (log α ≈ −1000, where TF32 rounding alone is ~1 in absolute terms).
+FULL_PRECISION = lax.Precision.HIGHEST
+
+
 def matmul(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return jnp.dot(a, b, precision=FULL_PRECISION, preferred_element_type=jnp.float32)
 
 
 def matmul_t(a, b):
     """a @ bᵀ."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=FULL_PRECISION,
                            preferred_element_type=jnp.float32)
 
 
 def t_matmul(a, b):
     """aᵀ @ b."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=FULL_PRECISION,
                            preferred_element_type=jnp.float32)
 
 

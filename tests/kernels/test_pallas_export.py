@@ -11,6 +11,7 @@ Dv blocks per head); bf16 and fp32.
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import pytest
 from jax import export
@@ -78,3 +79,33 @@ def test_gradient_program_lowers_with_the_kernel_forward():
     text = exported_text(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)),
                          *shapes(jnp.float32, 64, beta=True))
     assert text.count(TRITON_CALL) == 1
+
+
+def kernel_dots(fn, *args):
+    """The dot_general equations inside every pallas_call of fn's jaxpr (the kernel bodies)."""
+    dots = []
+
+    def walk(jaxpr, inside_kernel):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and inside_kernel:
+                dots.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub, inside_kernel or eqn.primitive.name == "pallas_call")
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return dots
+
+
+@pytest.mark.parametrize("mech", [*CASES, "swa"])
+def test_kernel_dots_run_at_full_fp32_precision(mech):
+    """Triton lowers an fp32 dot at the default precision to TF32; every dot inside a kernel
+    asks for HIGHEST (IEEE fp32), which the fp32 tolerances and the gate sums need on a GPU."""
+    if mech == "swa":
+        fn, args = (lambda *a: swa.pallas(*a, sinks=8, window=56, interpret=False)), shapes(jnp.float32, 64)[:3]
+    else:
+        fn, extra, _ = CASES[mech]
+        args = shapes(jnp.float32, 64, **extra)
+    dots = kernel_dots(fn, *args)
+    assert dots, "no dot found inside the kernel: the jaxpr walk is broken"
+    precisions = {str(eqn.params["precision"]) for eqn in dots}
+    assert precisions == {str((jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST))}, precisions
