@@ -155,9 +155,10 @@ class LinearMixer(nnx.Module):
         lin_out, normaliser = self._apply_gain(lin_out, normaliser)
 
         if self.window:
-            if state is None:
-                parts = swa.chunked(softmax_q, softmax_k, softmax_v, sinks=self.sinks, window=self.window,
-                                    **self._window_chunk())
+            if state is None:  # the backend chosen for the block runs both parts
+                window_attention = swa.pallas if self.use_pallas else swa.chunked
+                parts = window_attention(softmax_q, softmax_k, softmax_v, sinks=self.sinks, window=self.window,
+                                         **self._window_chunk())
             elif decode:
                 parts, window_state = swa.step(softmax_q[:, 0], softmax_k[:, 0], softmax_v[:, 0], state.window)
                 parts = jax.tree.map(lambda a: a[:, None], parts)
