@@ -3,6 +3,7 @@
     python bench/kernels.py            # full: D ∈ {64, 128}, T ∈ {512 … 16384}
     python bench/kernels.py --quick    # D = 64, T ∈ {512, 1024}
     python bench/kernels.py --targets  # GDN and SDPA at D = 128, T ∈ {1024, 4096, 16384}
+    python bench/kernels.py --gpu      # on a GPU machine: Pallas vs XLA, cuDNN, FLA (bench/kernels_gpu.py)
 
 Times the forward and the forward+backward of GDN (Kimi form, per-channel
 gate) and GLA at B = 1, H = 8:
@@ -47,6 +48,7 @@ TORCH_METHODS = {"torch SDPA", "FLA naive_chunk_kda", "FLA naive_recurrent_gla"}
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpu", action="store_true", help="run the GPU benchmark instead (bench/kernels_gpu.py)")
     p.add_argument("--quick", action="store_true", help="D = 64, T ∈ {512, 1024} only")
     p.add_argument("--targets", action="store_true",
                    help="only what the speed targets need: GDN and SDPA, D = 128, T ∈ {1024, 4096, 16384}")
@@ -56,6 +58,12 @@ def parse_args():
     return p.parse_args()
 
 
+if "--gpu" in sys.argv[1:]:  # the GPU benchmark is its own script; forward to it before torch is imported
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import kernels_gpu
+
+    kernels_gpu.main([a for a in sys.argv[1:] if a != "--gpu"])
+    sys.exit()
 ARGS = parse_args()
 # XLA's CPU client sizes its thread pool from the visible cores; restrict both
 # frameworks to the same cores so the comparison is fair.

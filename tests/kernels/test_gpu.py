@@ -1,0 +1,101 @@
+"""The Pallas kernels compiled for a GPU (Triton), not interpreted, against each mechanism's
+`reference` recurrence: outputs, final states and gradients in fp32 and bf16, at the shapes
+training uses (T not a multiple of the chunk, GQA, head dims 64 and 128), and a linearized
+model whose blocks run in Pallas against the same model on the XLA chunked kernels.
+
+These tests skip where JAX has no GPU backend (every CPU machine, CI included). On a GPU
+machine, the README's GPU command runs them:
+
+    python -m pytest -q -m gpu tests/kernels/test_gpu.py
+
+The fp32 tolerances assume full-precision in-kernel dots (pallas_common.FULL_PRECISION):
+with Triton's default TF32 they would fail here by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import linjax
+from linjax.config import tiny_config
+from linjax.kernels import gdn, gla, kgla, linear_attn, swa
+from linjax.model import CausalLM
+from tests.helpers import relative_rms
+from tests.kernels.test_pallas import TOL, assert_close, check_vjp, make_inputs
+from tests.test_linearize import tokens_for
+
+ON_GPU = jax.default_backend() == "gpu"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a GPU (JAX's gpu backend)")]
+
+# (T, Hkv, D, with initial state): T spans several chunks and ends mid-chunk; H = 4 query heads.
+SHAPES = [(1000, 2, 128, False), (333, 4, 64, True), (1, 1, 64, True)]
+shape_id = lambda c: "T{}-Hkv{}-D{}-{}".format(c[0], c[1], c[2], "h0" if c[3] else "noh0")
+reference = {m.__name__.rsplit(".", 1)[-1]: jax.jit(m.reference) for m in (gla, gdn, kgla, linear_attn)}
+compiled = dict(interpret=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("mech", ["gla", "gdn", "gdn_scalar_gate", "kgla"])
+def test_gated_kernels_forward(mech, shape, dtype):
+    q, k, v, log_alpha, beta, h0 = make_inputs(21, *shape, dtype, unit_keys=mech != "gla")
+    if mech == "gla":
+        module, gates = gla, (log_alpha,)
+    else:
+        module = kgla if mech == "kgla" else gdn
+        gates = (log_alpha[..., 0] if mech == "gdn_scalar_gate" else log_alpha, beta)
+    name = module.__name__.rsplit(".", 1)[-1]
+    assert_close(module.pallas(q, k, v, *gates, initial_state=h0, **compiled),
+                 reference[name](q, k, v, *gates, initial_state=h0), TOL[dtype], mech)
+
+
+@pytest.mark.parametrize("gates", ["spread", "resets"])
+@pytest.mark.parametrize("mech", ["gla", "gdn"])
+def test_extreme_gates(mech, gates):
+    q, k, v, log_alpha, beta, h0 = make_inputs(22, 500, 2, 64, True, "float32", unit_keys=True, gate_spread=8.0)
+    if gates == "resets":
+        log_alpha = log_alpha.at[:, ::8].set(-1000.0)
+    module, args = (gla, (log_alpha,)) if mech == "gla" else (gdn, (log_alpha, beta))
+    assert_close(module.pallas(q, k, v, *args, initial_state=h0, **compiled),
+                 reference[mech](q, k, v, *args, initial_state=h0), TOL["float32"], mech)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_attn_forward(dtype):
+    q, k, v, _, _, _ = make_inputs(23, 700, 2, 64, False, dtype)
+    q, k = (jax.nn.softmax(x.astype(jnp.float32), -1).astype(dtype) for x in (q, k))
+    assert_close(linear_attn.pallas(q, k, v, **compiled), reference["linear_attn"](q, k, v), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sinks, window", [(8, 56), (0, 64), (70, 5)])
+def test_swa_forward(sinks, window, dtype):
+    q, k, v, _, _, _ = make_inputs(24, 1000, 2, 128, False, dtype)
+    assert_close(swa.pallas(q, k, v, sinks=sinks, window=window, **compiled),
+                 jax.jit(swa.reference, static_argnames=("sinks", "window"))(q, k, v, sinks=sinks, window=window),
+                 TOL[dtype])
+
+
+@pytest.mark.parametrize("mech", ["gla", "gdn"])
+def test_gradients(mech):
+    q, k, v, log_alpha, beta, h0 = make_inputs(25, 333, 2, 64, True, "float32", unit_keys=True)
+    module, gates = (gla, (log_alpha,)) if mech == "gla" else (gdn, (log_alpha, beta))
+    n = 3 + len(gates)
+    kernel = lambda *a: module.pallas(*a[:n], initial_state=a[n], **compiled)
+    spec = lambda *a: module.reference(*a[:n], initial_state=a[n])
+    check_vjp(kernel, spec, (q, k, v, *gates, h0), 26)  # relative RMS ≤ 1e-4 on every gradient
+
+
+@pytest.mark.parametrize("mechanism", ["gdn", "gla", "hedgehog"])
+def test_linearized_model_on_pallas_matches_chunked(mechanism):
+    base = CausalLM(tiny_config("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=64, hidden_size=256), rngs=nnx.Rngs(3))
+    settings = dict(mechanism=mechanism, window=56, sinks=8, adapter="shortconv")
+    chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings), seed=1)
+    on_pallas = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="pallas"), seed=1)
+    tokens = tokens_for(base, 300, seed=7)
+    run = lambda model: nnx.jit(lambda m, t: m(t))(model, tokens)
+    assert relative_rms(run(on_pallas), run(chunked)) <= 1e-5
