@@ -4,7 +4,8 @@
     AutoModelForCausalLM.from_pretrained("out/", trust_remote_code=True)
 
 The directory holds config.json (model_type "linjax", `auto_map` pointing at
-the copied modeling_linjax.py), model.safetensors and the tokenizer files.
+the copied modeling_linjax.py, which imports its modeling_linjax_*.py siblings, copied too),
+model.safetensors and the tokenizer files.
 Base tensors keep their HF names (convert/hf.py's table); each linear layer adds
     self_attn.gate_down.weight, self_attn.gate_up.{weight,bias}   GLA / kGLA / GDN gate
     self_attn.gate_proj.{weight,bias}                             gdn_scalar gate
@@ -20,6 +21,7 @@ the linear mixers compute in.
 
 from __future__ import annotations
 
+import glob
 import os
 
 import numpy as np
@@ -27,7 +29,9 @@ import numpy as np
 from linjax.convert.hf import check_export_directory, model_tensors, write_hf_directory
 from linjax.linearize import mixer_names
 
-MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_linjax.py")
+# modeling_linjax.py and the siblings it imports relatively: transformers copies those into its module
+# cache only if they lie beside it in the export directory.
+MODELING_FILES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_linjax*.py")))
 
 
 def export_config(model) -> dict:
@@ -83,7 +87,7 @@ def _linear(prefix: str, weight, bias=None) -> dict:
 
 
 def mixer_tensors(mixer, kind: str, prefix: str) -> dict:
-    """The new parameters of one linear mixer under modeling_linjax.LinearAttention's names."""
+    """The new parameters of one linear mixer under the names of its class in modeling_linjax_linear.py."""
     out = {}
     if kind in ("gla", "kgla", "gdn"):
         out.update(_linear(f"{prefix}.gate_down", mixer.gate.down))
@@ -132,12 +136,12 @@ def export_tensors(model) -> dict:
 
 
 def export_hf(model, directory: str, tokenizer=None) -> str:
-    """Writes config.json, model.safetensors, modeling_linjax.py (+ tokenizer) atomically; returns the path."""
+    """Writes config.json, model.safetensors, modeling_linjax*.py (+ tokenizer) atomically; returns the path."""
     if getattr(model, "linearize_config", None) is None:
         raise ValueError("export_hf writes linearized models; a plain model exports as its own "
                          "architecture with linjax.save_hf")
     directory = check_export_directory(directory)
     write_hf_directory(directory, export_config(model), export_tensors(model), tokenizer,
-                       extra_files={"modeling_linjax.py": MODELING_FILE})
+                       extra_files={os.path.basename(path): path for path in MODELING_FILES})
     return directory
 
