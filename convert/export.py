@@ -3,31 +3,32 @@
     linjax.save_hf(model, "out/", tokenizer)        # dispatches here when the model is linearized
     AutoModelForCausalLM.from_pretrained("out/", trust_remote_code=True)
 
-The directory holds config.json (model_type "linjax", `auto_map` pointing at
-the copied modeling_linjax.py), model.safetensors and the tokenizer files.
-Base tensors keep their HF names (convert/hf.py's table); each linear layer adds
-    self_attn.gate_down.weight, self_attn.gate_up.{weight,bias}   GLA / kGLA / GDN gate
-    self_attn.gate_proj.{weight,bias}                             gdn_scalar gate
-    self_attn.beta_proj.{weight,bias}                             kGLA / GDN / gdn_scalar β
-    self_attn.{query,key}_map.proj.{weight,bias}                  Hedgehog feature maps
-    self_attn.{q,k,v}_conv.{weight,bias}                          short conv (torch Conv1d layout)
-    self_attn.output_gain                                         learned per-head gain [H] (output_gain)
-all in torch's [out, in] layout. LoRA has no tensors of its own: W + (alpha/rank)·A·B is
-merged into q/k/v/o_proj, which is exact because the mixer applies the adapted
-projections everywhere it uses them. Everything is written in float32, the dtype
+The directory holds config.json (model_type "linjax", `auto_map` pointing at the copied
+modeling_linjax.py, which imports its modeling_linjax_*.py siblings, copied too),
+model.safetensors and the tokenizer files. Base tensors keep their HF names
+(convert/hf.py's table); each layer's mixer adds its own (`torch_tensors`: the mechanism's
+parameters, e.g. self_attn.gate_down.weight, as the PyTorch mirror's class for it names them,
+self_attn.{q,k,v}_conv.{weight,bias} for the short conv in torch's Conv1d layout and
+self_attn.output_gain), all in torch's [out, in] layout. LoRA has no tensors of its own:
+W + (alpha/rank)·A·B is merged into q/k/v/o_proj, which is exact because the mixer applies
+the adapted projections everywhere it uses them. Everything is written in float32, the dtype
 the linear mixers compute in.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 
 import numpy as np
 
 from linjax.convert.hf import check_export_directory, model_tensors, write_hf_directory
+from linjax.layers import torch_linear_tensors as _linear  # noqa: F401  (tests/test_hedgehog_map.py)
 from linjax.linearize import mixer_names
 
-MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_linjax.py")
+# modeling_linjax.py and the siblings it imports relatively: transformers copies those into its module
+# cache only if they lie beside it in the export directory.
+MODELING_FILES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_linjax*.py")))
 
 
 def export_config(model) -> dict:
@@ -70,74 +71,21 @@ def export_config(model) -> dict:
     }
 
 
-def _array(param) -> np.ndarray:
-    return np.asarray(param[...], dtype=np.float32)
-
-
-def _linear(prefix: str, weight, bias=None) -> dict:
-    """A Flax [in, out] kernel (+ bias) as torch nn.Linear tensors [out, in]."""
-    out = {f"{prefix}.weight": np.ascontiguousarray(_array(weight).T)}
-    if bias is not None:
-        out[f"{prefix}.bias"] = _array(bias)
-    return out
-
-
-def mixer_tensors(mixer, kind: str, prefix: str) -> dict:
-    """The new parameters of one linear mixer under modeling_linjax.LinearAttention's names."""
-    out = {}
-    if kind in ("gla", "kgla", "gdn"):
-        out.update(_linear(f"{prefix}.gate_down", mixer.gate.down))
-        out.update(_linear(f"{prefix}.gate_up", mixer.gate.up, mixer.gate.bias))
-    if kind == "gdn_scalar":
-        out.update(_linear(f"{prefix}.gate_proj", mixer.gate_weight, mixer.gate_bias))
-    if kind in ("kgla", "gdn", "gdn_scalar"):
-        out.update(_linear(f"{prefix}.beta_proj", mixer.beta.weight, mixer.beta.bias))
-    if kind == "hedgehog":
-        for name in ("query_map", "key_map"):
-            feature_map = getattr(mixer, name)
-            out.update(_linear(f"{prefix}.{name}.proj", feature_map.weight, feature_map.bias))
-    if mixer.output_gain is not None:
-        out[f"{prefix}.output_gain"] = _array(mixer.output_gain)
-    if mixer.conv is not None:
-        for name in "qkv":
-            weight = _array(getattr(mixer.conv, f"{name}_weight"))  # [K, C] → Conv1d [C, 1, K]
-            out[f"{prefix}.{name}_conv.weight"] = np.ascontiguousarray(weight.T[:, None, :])
-            out[f"{prefix}.{name}_conv.bias"] = _array(getattr(mixer.conv, f"{name}_bias"))
-    return out
-
-
-def merged_lora_weights(mixer, prefix: str, tensors: dict) -> dict:
-    """q/k/v/o_proj weights with the LoRA update W + (alpha/rank)·A·B folded in (float64, then float32)."""
-    out = {}
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        a = np.asarray(getattr(mixer.lora, f"{name}_a")[...], np.float64)
-        b = np.asarray(getattr(mixer.lora, f"{name}_b")[...], np.float64)
-        key = f"{prefix}.{name}.weight"
-        merged = tensors[key].astype(np.float64) + mixer.lora.scaling * (a @ b).T
-        out[key] = merged.astype(np.float32)
-    return out
-
-
 def export_tensors(model) -> dict:
     """Every tensor of the export, float32, under the names modeling_linjax.py expects."""
     tensors = model_tensors(model, dtype=np.float32)
-    for i, (block, kind) in enumerate(zip(model.layers, mixer_names(model))):
-        if kind in ("softmax", "window"):  # the pretrained projections only
-            continue
-        prefix = f"model.layers.{i}.self_attn"
-        if block.attn.lora is not None:
-            tensors.update(merged_lora_weights(block.attn, prefix, tensors))
-        tensors.update(mixer_tensors(block.attn, kind, prefix))
+    for i, block in enumerate(model.layers):
+        tensors.update(block.attn.torch_tensors(f"model.layers.{i}.self_attn", tensors))
     return tensors
 
 
 def export_hf(model, directory: str, tokenizer=None) -> str:
-    """Writes config.json, model.safetensors, modeling_linjax.py (+ tokenizer) atomically; returns the path."""
+    """Writes config.json, model.safetensors, modeling_linjax*.py (+ tokenizer) atomically; returns the path."""
     if getattr(model, "linearize_config", None) is None:
         raise ValueError("export_hf writes linearized models; a plain model exports as its own "
                          "architecture with linjax.save_hf")
     directory = check_export_directory(directory)
     write_hf_directory(directory, export_config(model), export_tensors(model), tokenizer,
-                       extra_files={"modeling_linjax.py": MODELING_FILE})
+                       extra_files={os.path.basename(path): path for path in MODELING_FILES})
     return directory
 

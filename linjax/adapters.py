@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from linjax.kernels import conv
-from linjax.layers import AttentionProjections, Trainable, torch_linear_init
+from linjax.layers import AttentionProjections, Trainable, float32_array, torch_linear_init
 
 
 class LoRA(nnx.Module):
@@ -29,6 +30,19 @@ class LoRA(nnx.Module):
     def delta(self, name: str, x: jax.Array) -> jax.Array:
         a, b = getattr(self, f"{name}_a")[...], getattr(self, f"{name}_b")[...]
         return ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)) * jnp.asarray(self.scaling, x.dtype)
+
+    def merged_weights(self, prefix: str, pretrained: dict) -> dict[str, np.ndarray]:
+        """The PyTorch export's q/k/v/o_proj weights under `prefix` with the update folded in:
+        W + (alpha/rank)·A·B, in float64 then float32. `pretrained`: the torch [out, in] weights by name.
+        Exact, because the mixer applies the adapted projections everywhere it uses them."""
+        out = {}
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            a = np.asarray(getattr(self, f"{name}_a")[...], np.float64)
+            b = np.asarray(getattr(self, f"{name}_b")[...], np.float64)
+            key = f"{prefix}.{name}.weight"
+            merged = pretrained[key].astype(np.float64) + self.scaling * (a @ b).T
+            out[key] = merged.astype(np.float32)
+        return out
 
 
 class ShortConv(nnx.Module):
@@ -59,3 +73,12 @@ class ShortConv(nnx.Module):
             outs.append(y.reshape(b, t, n, d))
             new_caches.append(cache)
         return tuple(outs), tuple(new_caches)
+
+    def torch_tensors(self, prefix: str) -> dict[str, np.ndarray]:
+        """The PyTorch mirror's {q,k,v}_conv under `prefix`: depthwise Conv1d weights [C, 1, K] and biases."""
+        out = {}
+        for name in "qkv":
+            weight = float32_array(getattr(self, f"{name}_weight"))  # [K, C]
+            out[f"{prefix}.{name}_conv.weight"] = np.ascontiguousarray(weight.T[:, None, :])
+            out[f"{prefix}.{name}_conv.bias"] = float32_array(getattr(self, f"{name}_bias"))
+        return out

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from linjax.config import ModelConfig
@@ -136,3 +137,16 @@ def torch_linear_init(key, shape, fan_in: int, dtype=jnp.float32) -> jax.Array:
     """
     bound = 1.0 / math.sqrt(fan_in)
     return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def float32_array(param) -> np.ndarray:
+    """A parameter (or array) as a float32 NumPy array: the PyTorch export's dtype."""
+    return np.asarray(param[...], dtype=np.float32)
+
+
+def torch_linear_tensors(prefix: str, weight, bias=None) -> dict[str, np.ndarray]:
+    """A Flax [in, out] kernel (+ bias) as the tensors of a torch nn.Linear named `prefix` ([out, in]), float32."""
+    out = {f"{prefix}.weight": np.ascontiguousarray(float32_array(weight).T)}
+    if bias is not None:
+        out[f"{prefix}.bias"] = float32_array(bias)
+    return out

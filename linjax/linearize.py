@@ -11,22 +11,37 @@ all of type `linjax.layers.Trainable`, which is what training optimises.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import pkgutil
 
 import jax
 from flax import nnx
 
+import linjax.mixers
 from linjax.layers import Trainable
-from linjax.mixers.gdn import GDN
-from linjax.mixers.gdn_scalar import GDNScalar
-from linjax.mixers.gla import GLA
-from linjax.mixers.hedgehog import Hedgehog
-from linjax.mixers.kgla import KGLA
 from linjax.mixers.softmax import SoftmaxAttention
-from linjax.mixers.window import WindowAttention
 
-MIXERS = {"gla": GLA, "kgla": KGLA, "gdn": GDN, "gdn_scalar": GDNScalar, "hedgehog": Hedgehog,
-          "window": WindowAttention, "softmax": SoftmaxAttention}
+
+def find_mixers() -> dict[str, type]:
+    """{mechanism name: mixer class} for every class in linjax/mixers/ that names its `mechanism`.
+
+    Each mechanism's module declares itself (its class's `mechanism` attribute), so adding a
+    mechanism needs no edit here; the export (convert/export.py) asks the same classes.
+    """
+    found = {}
+    for module_info in sorted(pkgutil.iter_modules(linjax.mixers.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{linjax.mixers.__name__}.{module_info.name}")
+        for value in vars(module).values():
+            if isinstance(value, type) and value.__module__ == module.__name__ and vars(value).get("mechanism"):
+                if value.mechanism in found:
+                    raise TypeError(f"{found[value.mechanism].__name__} and {value.__name__} both name the "
+                                    f"mechanism {value.mechanism!r}")
+                found[value.mechanism] = value
+    return found
+
+
+MIXERS = find_mixers()
 ADAPTERS = (None, "shortconv", "lora")
 COMBINES = ("sum", "mixed")
 KERNELS = ("chunked", "pallas")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.kernels import gdn
-from linjax.layers import Trainable, torch_linear_init
+from linjax.layers import Trainable, torch_linear_init, torch_linear_tensors
 from linjax.mixers.gla import GLA
 
 
@@ -26,10 +26,15 @@ class Beta(nnx.Module):
     def __call__(self, h):
         return jax.nn.sigmoid(h.astype(jnp.float32) @ self.weight[...] + self.bias[...])
 
+    def torch_tensors(self, prefix: str):
+        """As the PyTorch mirror's `beta_proj` under `prefix`."""
+        return torch_linear_tensors(f"{prefix}.beta_proj", self.weight, self.bias)
+
 
 class GDN(GLA):
     """GLA's gate plus β: the same parameters, created in the same order, and a delta-rule kernel."""
 
+    mechanism = "gdn"
     kernel = gdn
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
@@ -38,3 +43,6 @@ class GDN(GLA):
 
     def gates(self, h, k):
         return self.gate(h), self.beta(h)
+
+    def mechanism_tensors(self, prefix):
+        return {**super().mechanism_tensors(prefix), **self.beta.torch_tensors(prefix)}

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.kernels import gdn
-from linjax.layers import Trainable, torch_linear_init
+from linjax.layers import Trainable, torch_linear_init, torch_linear_tensors
 from linjax.mixers.gdn import Beta
 from linjax.mixers.linear import LinearMixer
 
 
 class GDNScalar(LinearMixer):
+    mechanism = "gdn_scalar"
     kernel = gdn
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
@@ -29,3 +30,7 @@ class GDNScalar(LinearMixer):
     def gates(self, h, k):
         log_alpha = jax.nn.log_sigmoid(h.astype(jnp.float32) @ self.gate_weight[...] + self.gate_bias[...])
         return log_alpha, self.beta(h)
+
+    def mechanism_tensors(self, prefix):
+        return {**torch_linear_tensors(f"{prefix}.gate_proj", self.gate_weight, self.gate_bias),
+                **self.beta.torch_tensors(prefix)}

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.kernels import gla
-from linjax.layers import Trainable, torch_linear_init
+from linjax.layers import Trainable, torch_linear_init, torch_linear_tensors
 from linjax.mixers.linear import LinearMixer
 
 
@@ -32,6 +32,7 @@ class LowRankGate(nnx.Module):
 
 
 class GLA(LinearMixer):
+    mechanism = "gla"
     kernel = gla
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
@@ -42,3 +43,7 @@ class GLA(LinearMixer):
 
     def gates(self, h, k):
         return (self.gate(h),)
+
+    def mechanism_tensors(self, prefix):
+        return {**torch_linear_tensors(f"{prefix}.gate_down", self.gate.down),
+                **torch_linear_tensors(f"{prefix}.gate_up", self.gate.up, self.gate.bias)}

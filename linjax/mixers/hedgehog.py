@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.kernels import linear_attn
-from linjax.layers import Trainable
+from linjax.layers import Trainable, torch_linear_tensors
 from linjax.mixers.linear import LinearMixer
 
 
@@ -35,6 +35,7 @@ class FeatureMap(nnx.Module):
 
 
 class Hedgehog(LinearMixer):
+    mechanism = "hedgehog"
     kernel = linear_attn
     normalized = True
     linear_scale = 1.0  # default scale: φ(q)ᵀφ(k) is already the kernel's similarity
@@ -52,3 +53,7 @@ class Hedgehog(LinearMixer):
 
     def gates(self, h, k):
         return ()
+
+    def mechanism_tensors(self, prefix):
+        return {**torch_linear_tensors(f"{prefix}.query_map.proj", self.query_map.weight, self.query_map.bias),
+                **torch_linear_tensors(f"{prefix}.key_map.proj", self.key_map.weight, self.key_map.bias)}

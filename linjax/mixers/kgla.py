@@ -12,4 +12,5 @@ from linjax.mixers.gdn import GDN
 
 
 class KGLA(GDN):
+    mechanism = "kgla"
     kernel = kgla

@@ -18,19 +18,22 @@ writes y = qᵀS with no scale; with L2-normalised q and k the delta rule's
 output is bounded by about scale · ‖v‖, so both let the linear part reach the
 output size of the softmax attention it replaces (issue 18).
 
-A subclass (one file per mechanism) provides the new parameters, `gates(h, k)`
-and `features(q, k)`, and names its kernel module in `linjax.kernels`.
+A subclass (one file per mechanism) names its mechanism (`mechanism`, the name
+LinearizeConfig and the export use) and its kernel module in `linjax.kernels`,
+provides the new parameters, `gates(h, k)` and `features(q, k)`, and says how the
+PyTorch mirror names its parameters (`mechanism_tensors`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from linjax.adapters import LoRA, ShortConv
 from linjax.kernels import swa
-from linjax.layers import AttentionProjections, Trainable
+from linjax.layers import AttentionProjections, Trainable, float32_array
 from linjax.mixers.states import LinearState
 
 
@@ -41,8 +44,10 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 class LinearMixer(nnx.Module):
-    """Base class: subclasses set `kernel` and implement `gates` (and `features` if not L2)."""
+    """Base class: subclasses set `mechanism` and `kernel` and implement `gates` and `mechanism_tensors`
+    (and `features` if not L2)."""
 
+    mechanism = None  # the mechanism's name (LinearizeConfig.mechanism); None: not a mechanism
     kernel = None  # a module of linjax.kernels with reference/chunked/step/pallas
     normalized = False  # True for normalised linear attention (Hedgehog): shares the softmax normaliser
     linear_scale = None  # the mechanism's default scale (None: the kernel's Dk^-1/2)
@@ -75,6 +80,25 @@ class LinearMixer(nnx.Module):
 
     def feature_dim(self) -> int:
         return self.proj.head_dim
+
+    def mechanism_tensors(self, prefix: str) -> dict[str, np.ndarray]:
+        """The mechanism's new parameters under `prefix` as the PyTorch mirror's class for it names them
+        (convert/modeling_linjax_linear.py), in torch's layout, float32."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- export
+
+    def torch_tensors(self, prefix: str, pretrained: dict) -> dict[str, np.ndarray]:
+        """What the PyTorch export writes for this layer under `prefix` (model.layers.i.self_attn) beyond
+        `pretrained` (the base tensors by HF name): q/k/v/o_proj with LoRA merged in, the mechanism's
+        parameters, the short conv and the output gain."""
+        out = {} if self.lora is None else self.lora.merged_weights(prefix, pretrained)
+        out.update(self.mechanism_tensors(prefix))
+        if self.conv is not None:
+            out.update(self.conv.torch_tensors(prefix))
+        if self.output_gain is not None:
+            out[f"{prefix}.output_gain"] = float32_array(self.output_gain)
+        return out
 
     # ---------------------------------------------------------------- shared machinery
 

@@ -88,9 +88,15 @@ def pretrained_attention(proj: AttentionProjections, x: jax.Array, positions: ja
 class SoftmaxAttention(nnx.Module):
     """Full causal softmax attention on the pretrained projections."""
 
+    mechanism = "softmax"
+
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  projections: AttentionProjections | None = None):
         self.proj = projections or AttentionProjections(config, dtype=dtype, rngs=rngs)
+
+    def torch_tensors(self, prefix: str, pretrained: dict) -> dict:
+        """Nothing beyond the pretrained projections for the PyTorch export (LinearMixer.torch_tensors)."""
+        return {}
 
     def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         shape = (batch, self.proj.num_kv_heads, max_length, self.proj.head_dim)

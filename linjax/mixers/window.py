@@ -25,6 +25,8 @@ from linjax.mixers.states import WindowCache
 class WindowAttention(nnx.Module):
     """Softmax attention over the first `sinks` tokens and the last `window` ones (pretrained projections)."""
 
+    mechanism = "window"
+
     def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
         """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig (window ≥ 1)."""
         del rngs  # nothing to initialise
@@ -35,6 +37,10 @@ class WindowAttention(nnx.Module):
         self.window, self.sinks = settings.window, settings.sinks
         self.chunk = settings.chunk
         self.use_pallas = settings.kernel == "pallas"
+
+    def torch_tensors(self, prefix: str, pretrained: dict) -> dict:
+        """Nothing beyond the pretrained projections for the PyTorch export (LinearMixer.torch_tensors)."""
+        return {}
 
     def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> WindowCache:
         del max_length  # the cache holds sinks + window tokens, whatever the context length

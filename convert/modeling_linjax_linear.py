@@ -1,0 +1,304 @@
+"""The linear mechanisms of the PyTorch mirror: one class per mechanism (linjax/mixers/*.py).
+
+`LinearAttention` is what every linear mixer shares (linjax/mixers/linear.py): the pretrained
+projections, the short conv, exact softmax over the sinks and the window beside the linear
+state over positions sinks .. t − window (paper, sec. 4), the per-head output gain and the
+combination of the two parts. A mechanism's class adds its new parameters (under the names
+linjax's export writes: each JAX mixer's `torch_tensors`) and says, as methods:
+
+    gates(h)                 its gate tensors from the block input
+    features(q, k, v)        what the kernel reads (L2-normalised q, k; Hedgehog's feature maps)
+    decay_and_beta(k, gates) its recurrence as log α per key channel and β (None: no delta rule)
+    fla_kernel, fla_arguments(k, gates)   the FLA chunk kernel that computes it, and its arguments
+    split_normaliser(o)      Hedgehog's normaliser, carried as v's last column
+
+Per query head h reading kv head h // (H // Hkv), o_t = scale · S_tᵀ q_t, scale = the config's
+`linearize.scale` or by default Dk^-1/2 (1 for Hedgehog).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .modeling_linjax_attention import MIXERS, Attention, sinks_and_window
+from .modeling_linjax_cache import LinearLayerCache
+from .modeling_linjax_kernels import (causal_conv, chunked_form, expand_kv, fla_form, fla_kernels, l2_normalize,
+                                      recurrent_form, resolve_form, shift_linear_inputs, token_positions,
+                                      window_softmax_parts)
+
+KEY_GATE_FLOOR = 1e-6  # kGLA: 1 − β k² is floored here (kernels/kgla.py)
+
+
+class LinearAttention(Attention):
+    """A linear mixer on the pretrained projections; subclasses are the mechanisms."""
+
+    mechanism = None  # a base class, not a mechanism
+    linear_scale = None  # the mechanism's default scale (None: Dk^-1/2, as FLA's kernels)
+    fla_kernel = None  # the name of its kernel in `fla_kernels()`
+
+    def __init__(self, config):
+        super().__init__(config)
+        settings = config.linearize
+        self.form = "auto"  # which form of the recurrence runs: see modeling_linjax_kernels.resolve_form
+        self.sinks, self.window = sinks_and_window(settings)
+        self.combine = settings.get("combine", "sum")
+        H, hd = self.num_heads, self.head_dim
+        scale = settings.get("scale")
+        default = hd ** -0.5 if self.linear_scale is None else self.linear_scale
+        self.scale = float(scale) if scale is not None else default
+        self.output_gain = nn.Parameter(torch.ones(H)) if settings.get("output_gain") else None
+        self.conv = settings.get("adapter") == "shortconv"
+        if self.conv:
+            K = int(settings.get("conv_kernel", 8))
+            conv = lambda c: nn.Conv1d(c, c, K, groups=c, bias=True)
+            self.q_conv, self.k_conv, self.v_conv = (
+                conv(H * hd), conv(self.num_kv_heads * hd), conv(self.num_kv_heads * hd))
+
+    @classmethod
+    def new_cache(cls, settings: dict):
+        return LinearLayerCache(*sinks_and_window(settings))
+
+    # ---------------------------------------------------------------- per mechanism
+
+    def gates(self, h) -> list:
+        """The mechanism's gate tensors [B,T,H,...] from the block input h [B,T,d], in fp32."""
+        raise NotImplementedError
+
+    def features(self, q, k, v):
+        """q, k, v after RoPE (and short conv) → what the recurrence reads. Default: L2-normalised q and k."""
+        return l2_normalize(q), l2_normalize(k), v
+
+    def split_normaliser(self, o):
+        """The recurrence's output → (linear output, normaliser [B,T,H] or None)."""
+        return o, None
+
+    @staticmethod
+    def decay_and_beta(k, gates):
+        """(log α [B,T,H,Dk] per key channel, β [B,T,H] or None) of the recurrence (modeling_linjax_kernels)."""
+        raise NotImplementedError
+
+    @classmethod
+    def fla_arguments(cls, k, gates) -> dict:
+        """The gates as `fla_kernel` takes them. Default: g = log α per channel, and β if there is one."""
+        log_decay, beta = cls.decay_and_beta(k, gates)
+        return {"g": log_decay} if beta is None else {"g": log_decay, "beta": beta}
+
+    # ---------------------------------------------------------------- shared machinery
+
+    @classmethod
+    def linear_kernel(cls, form: str, q, k, v, gates, scale: float, initial_state=None, kernels=None):
+        """(o [B,T,H,Dv], final state [B,H,Dk,Dv]) of this mechanism's recurrence in `form` (auto, chunked,
+        recurrent, fla). q, k, v on the H query heads; `kernels`: FLA's (default `fla_kernels()`)."""
+        form = resolve_form(form, q)
+        if form == "fla":
+            kernel = (kernels or fla_kernels())[cls.fla_kernel]
+            return fla_form(kernel, q, k, v, scale, initial_state, **cls.fla_arguments(k, gates))
+        log_decay, beta = cls.decay_and_beta(k, gates)
+        run = recurrent_form if form == "recurrent" else chunked_form
+        return run(q, k, v, log_decay, beta, scale, initial_state)
+
+    def forward(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+        """x [B,T,d] at positions start .. start + T − 1; `cache` is read and advanced past them."""
+        q, k, v = self.qkv(x, position_ids)
+        softmax_q, softmax_k, softmax_v = q, k, v  # the window attends with the raw post-RoPE q, k, v
+        if self.conv:
+            history = (cache.conv if cache is not None else None) or {}
+            (q, hq), (k, hk), (v, hv) = (causal_conv(q, self.q_conv, history.get("q")),
+                                         causal_conv(k, self.k_conv, history.get("k")),
+                                         causal_conv(v, self.v_conv, history.get("v")))
+            if cache is not None:
+                cache.conv = {"q": hq, "k": hk, "v": hv}
+        q, k, v = self.features(q, k, v)
+        linear_inputs = [k.float(), v.float(), *self.gates(x)]
+        if self.window:
+            linear_inputs, shifted = shift_linear_inputs(linear_inputs, self.sinks, self.window, start,
+                                                         None if cache is None else cache.shifted)
+            if cache is not None:
+                cache.shifted = shifted
+        k, v, *gates = linear_inputs
+        H = self.num_heads
+        lin, state = self.linear_kernel(self.form, q.float(), expand_kv(k, H), expand_kv(v, H), gates, self.scale,
+                                        None if cache is None else cache.recurrent)
+        if cache is not None:
+            cache.recurrent = state
+        lin, normaliser = self.split_normaliser(lin)
+        if self.output_gain is not None:  # linjax/mixers/linear.py `_apply_gain`
+            lin = lin * self.output_gain[:, None]
+            if normaliser is not None and self.window and self.combine == "sum":
+                normaliser = normaliser * self.output_gain
+        if self.window:
+            positions = token_positions(start, x.shape[1], x.device)
+            keys, values, key_positions = ((softmax_k, softmax_v, positions) if cache is None
+                                           else cache.window.extend(softmax_k, softmax_v, positions))
+            numerator, _, row_sum = window_softmax_parts(softmax_q, keys, values, positions, key_positions,
+                                                         self.sinks, self.window)
+            y = self.combine_parts(lin, normaliser, numerator, row_sum)
+        elif normaliser is not None:
+            y = lin / (normaliser[..., None] + 1e-10)
+        else:
+            y = lin
+        return self.out(y.to(x.dtype))
+
+    def combine_parts(self, lin, normaliser, numerator, row_sum):
+        """linjax/mixers/linear.py `_combine`: one shared normaliser for Hedgehog with combine="sum"."""
+        if normaliser is not None and self.combine == "sum":
+            return (numerator + lin) / (row_sum + normaliser)[..., None]
+        if normaliser is not None:
+            lin = lin / (normaliser[..., None] + 1e-10)
+        window_out = numerator / row_sum[..., None]
+        if self.combine == "mixed":  # Liger: 0.5 · linear + 0.5 · window
+            return 0.5 * lin + 0.5 * window_out
+        return lin + window_out
+
+
+# ----------------------------------------------------------------------------- the mechanisms
+
+
+class GLA(LinearAttention):
+    """S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ (paper, sec. 3.1.2), log α_t = LogSigmoid(h_t W1 W2 + b) per channel."""
+
+    mechanism = "gla"
+    fla_kernel = "gla"
+
+    def __init__(self, config):
+        super().__init__(config)
+        rank = int(config.linearize.get("gate_rank", 16))
+        self.gate_down = nn.Linear(config.hidden_size, rank, bias=False)
+        self.gate_up = nn.Linear(rank, self.num_heads * self.head_dim)
+
+    def gates(self, h):
+        b, t, _ = h.shape
+        return [F.logsigmoid(self.gate_up(self.gate_down(h.float()))).view(b, t, self.num_heads, self.head_dim)]
+
+    @staticmethod
+    def decay_and_beta(k, gates):
+        return gates[0], None
+
+
+class GDN(GLA):
+    """GLA's gate plus β_t = sigmoid(h_t W_β + b_β) per head, in the delta rule (Kimi's form, per-channel α):
+    S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ. FLA's KDA is this recurrence."""
+
+    mechanism = "gdn"
+    fla_kernel = "kda"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.beta_proj = nn.Linear(config.hidden_size, self.num_heads)
+
+    def gates(self, h):
+        return super().gates(h) + [torch.sigmoid(self.beta_proj(h.float()))]
+
+    @staticmethod
+    def decay_and_beta(k, gates):
+        return gates[0], gates[1]
+
+
+class KGLA(GDN):
+    """GDN's parameters; GLA's recurrence with the key-dependent decay α_t ⊙ max(1 − β_t k_t², 1e-6) (paper, sec. 3.3).
+    FLA's GLA kernel runs it with the key gate folded into g."""
+
+    mechanism = "kgla"
+    fla_kernel = "gla"
+
+    @staticmethod
+    def decay_and_beta(k, gates):  # kernels/kgla.py key_log_gate
+        erase = gates[1][..., None] * k * k
+        return gates[0] + torch.log1p(-torch.clamp(erase, max=1.0 - KEY_GATE_FLOOR)), None
+
+
+class GDNScalar(LinearAttention):
+    """The original gated delta rule: GDN with one α_t = sigmoid(h_t W_α + b_α) per head (FLA's gated_delta_rule)."""
+
+    mechanism = "gdn_scalar"
+    fla_kernel = "gated_delta_rule"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gate_proj = nn.Linear(config.hidden_size, self.num_heads)
+        self.beta_proj = nn.Linear(config.hidden_size, self.num_heads)
+
+    def gates(self, h):
+        h = h.float()
+        return [F.logsigmoid(self.gate_proj(h)), torch.sigmoid(self.beta_proj(h))]
+
+    @staticmethod
+    def decay_and_beta(k, gates):
+        return gates[0][..., None].expand(k.shape), gates[1]
+
+    @classmethod
+    def fla_arguments(cls, k, gates):
+        return {"g": gates[0], "beta": gates[1]}  # FLA takes the per-head gate as it is
+
+
+class FeatureMap(nn.Module):
+    """Hedgehog's φ(x) = softmax([2z, −2z]), z = xW + b, shared by the heads (FLA's HedgehogFeatureMap)."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(head_dim, head_dim)
+
+    def forward(self, x):
+        z = 2 * self.proj(x.float())
+        return torch.cat([z, -z], dim=-1).softmax(-1)
+
+
+class Hedgehog(LinearAttention):
+    """Normalised linear attention with learned feature maps (paper, sec. 3.1.1): S_t = Σ φ(k_i)[v_i, 1]ᵀ,
+    y_t = φ(q_t)ᵀ S_t divided by its last column, φ(q_t)ᵀ z_t. No decay, no gates."""
+
+    mechanism = "hedgehog"
+    fla_kernel = "linear_attn"
+    linear_scale = 1.0  # φ(q)ᵀφ(k) is already the kernel's similarity
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.query_map, self.key_map = FeatureMap(self.head_dim), FeatureMap(self.head_dim)
+
+    def gates(self, h):
+        return []
+
+    def features(self, q, k, v):
+        ones = torch.ones_like(v[..., :1], dtype=torch.float32)
+        return self.query_map(q), self.key_map(k), torch.cat([v.float(), ones], dim=-1)  # v → [v, 1]
+
+    def split_normaliser(self, o):
+        return o[..., :-1], o[..., -1]
+
+    @staticmethod
+    def decay_and_beta(k, gates):
+        return torch.zeros_like(k), None
+
+    @classmethod
+    def fla_arguments(cls, k, gates):
+        return {"normalize": False}  # the normaliser is v's last column
+
+
+# ----------------------------------------------------------------------------- by mechanism name
+
+
+def run_linear(form: str, kind: str, q, k, v, gates, scale: float, initial_state=None):
+    """Mechanism `kind`'s recurrence in `form` (see `LinearAttention.linear_kernel`)."""
+    return MIXERS[kind].linear_kernel(form, q, k, v, gates, scale, initial_state)
+
+
+def linear_recurrence(kind: str, q, k, v, gates, scale: float, initial_state=None):
+    """(o [B,T,H,Dv], final state [B,H,Dk,Dv]) of mechanism `kind`, token by token (fp32): the reference."""
+    return run_linear("recurrent", kind, q, k, v, gates, scale, initial_state)
+
+
+def chunked_linear(kind: str, q, k, v, gates, scale: float, initial_state=None):
+    """`linear_recurrence`'s (o, final state) computed 16 tokens at a time."""
+    return run_linear("chunked", kind, q, k, v, gates, scale, initial_state)
+
+
+def fla_linear(kind: str, q, k, v, gates, scale: float, initial_state=None, kernels=None):
+    """`chunked_linear` on flash-linear-attention's chunk kernels: same arguments, same (o, final state).
+    `kernels`: {"gla", "kda", "gated_delta_rule", "linear_attn"} → function (default `fla_kernels()`;
+    the tests pass FLA's naive references, which take the same keyword arguments)."""
+    return MIXERS[kind].linear_kernel("fla", q, k, v, gates, scale, initial_state, kernels=kernels)
+
