@@ -23,6 +23,7 @@ import numpy as np
 
 from linjax import watchdog
 from linjax.mixers.softmax import SoftmaxAttention
+from linjax.model import token_positions
 
 
 def mse_and_nmse(full: np.ndarray, lin: np.ndarray) -> tuple[float, float]:
@@ -97,18 +98,10 @@ def _layer_outputs(teacher, student, linear: list[int]):
     @jax.jit
     def run(t_state, s_state, tokens):
         t, s = nnx.merge(t_def, t_state), nnx.merge(s_def, s_state)
-        b, n = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-        x = t.embed_tokens(tokens)
-        full, lin = [], []
-        for i, block in enumerate(t.layers):
-            h = block.input_layernorm(x)
-            y = block.attn(h, positions)
-            if i in linear:
-                full.append(y.astype(jnp.float32))
-                lin.append(s.layers[i].attn(h, positions).astype(jnp.float32))
-            x = x + y
-            x = x + block.mlp(block.post_attention_layernorm(x))
+        positions = token_positions(tokens)
+        activations = t.attention_activations(tokens, positions)
+        full = [activations[i].output.astype(jnp.float32) for i in linear]
+        lin = [s.layers[i].attn(activations[i].input, positions).astype(jnp.float32) for i in linear]
         return jnp.stack(full), jnp.stack(lin)
 
     return lambda tokens: run(t_state, s_state, tokens)

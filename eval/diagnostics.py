@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linjax import watchdog
+from linjax.model import token_positions
 
 EPS = 1e-6
 
@@ -53,15 +54,11 @@ def _keys_per_layer(model):
     @jax.jit
     def run(state, tokens):
         m = nnx.merge(graphdef, state)
-        b, n = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-        x = m.embed_tokens(tokens)
+        positions = token_positions(tokens)
         keys = []
-        for block in m.layers:
-            h = block.input_layernorm(x)
-            _, k, _ = block.attn.proj.qkv(h, positions)
+        for block, layer in zip(m.layers, m.attention_activations(tokens, positions)):
+            _, k, _ = block.attn.proj.qkv(layer.input, positions)
             keys.append(jnp.moveaxis(k[0], 1, 0))                       # [Hkv, T, D]
-            x = block(x, positions)
         return jnp.stack(keys)
 
     return lambda tokens: run(state, tokens)

@@ -9,10 +9,16 @@ What it does differently from the Hugging Face modules it mirrors:
   and returned explicitly instead of living inside the module;
 - runs of identical blocks execute as one `lax.scan` (linjax/scan.py), so a
   30-layer model compiles one block per layer type; `scan_layers` and `remat`
-  choose how.
+  choose how;
+- the residual stream is walked here only: code that needs what a block's
+  mixer reads and writes (attention transfer, approximation error, key
+  diagnostics) asks `CausalLM.attention_activations` instead of rebuilding
+  the block's wiring.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +30,17 @@ from linjax.mixers.softmax import SoftmaxAttention
 from linjax.scan import REMAT_POLICIES, run_layers
 
 SCAN_MODES = ("forward", "always", "never")
+
+
+class AttentionActivations(NamedTuple):
+    """What one block's attention read from and wrote into the residual stream."""
+
+    input: jax.Array   # the normed hidden state the mixer reads, [B,T,d]
+    output: jax.Array  # what was added to the residual stream, [B,T,d]
+
+
+# (mixer, h, positions) → [B,T,d]: stands in for `mixer(h, positions)` in the residual stream.
+AttentionOverride = Callable[[nnx.Module, jax.Array, jax.Array], jax.Array]
 
 
 class DecoderBlock(nnx.Module):
@@ -38,12 +55,20 @@ class DecoderBlock(nnx.Module):
     def __call__(self, x, positions, state=None):
         h = self.input_layernorm(x)
         if state is None:
-            x = x + self.attn(h, positions)
-        else:
-            attn_out, state = self.attn(h, positions, state)
-            x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x if state is None else (x, state)
+            return self.feed_forward(x + self.attn(h, positions))
+        attn_out, state = self.attn(h, positions, state)
+        return self.feed_forward(x + attn_out), state
+
+    def with_activations(self, x, positions, attention: AttentionOverride | None = None):
+        """(block output, AttentionActivations) without decoding state; `attention`, if given,
+        replaces the mixer's output in the residual stream."""
+        h = self.input_layernorm(x)
+        y = self.attn(h, positions) if attention is None else attention(self.attn, h, positions)
+        return self.feed_forward(x + y), AttentionActivations(h, y)
+
+    def feed_forward(self, x):
+        """The block's second half: x + mlp(norm(x))."""
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class CausalLM(nnx.Module):
@@ -75,14 +100,7 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, tokens, positions=None, states=None):
         """The final-norm hidden states [B,T,d] (and new states when `states` is given)."""
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"expected int tokens [batch, time], got {tokens.dtype} {tokens.shape}")
-        b, t = tokens.shape
-        if positions is None:
-            offset = 0 if states is None else _cache_length(states)
-            positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed_tokens(tokens)
+        x, positions = self._embed(tokens, positions, states)
         if self.scan_layers not in SCAN_MODES or (self.remat is not None and self.remat not in REMAT_POLICIES):
             raise ValueError(f"scan_layers={self.scan_layers!r}, remat={self.remat!r}; choose scan_layers from "
                              f"{SCAN_MODES} and remat from None, {', '.join(map(repr, REMAT_POLICIES))}")
@@ -99,6 +117,32 @@ class CausalLM(nnx.Module):
         x = self.norm(x)
         return x if states is None else (x, new_states)
 
+    def attention_activations(self, tokens, positions=None,
+                              attention: AttentionOverride | None = None) -> list[AttentionActivations]:
+        """Each block's attention input and output over tokens [B,T], in layer order.
+
+        `attention(mixer, h, positions)`, if given, is added to the residual stream instead of each
+        block's own mixer output (and returned as the output): attention transfer runs a linearized
+        model on the original softmax attention this way, so every layer sees the original model's
+        input. The blocks run one by one, not scanned: the per-layer outputs and the override are
+        Python-level, and the callers (training objective, analyses) are not the hot forward path.
+        """
+        x, positions = self._embed(tokens, positions)
+        activations = []
+        for block in self.layers:
+            x, block_activations = block.with_activations(x, positions, attention)
+            activations.append(block_activations)
+        return activations
+
+    def _embed(self, tokens, positions=None, states=None):
+        """(token embeddings [B,T,d], positions [B,T]); positions continue after `states`' tokens."""
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"expected int tokens [batch, time], got {tokens.dtype} {tokens.shape}")
+        if positions is None:
+            positions = token_positions(tokens, 0 if states is None else _cache_length(states))
+        return self.embed_tokens(tokens), positions
+
     def logits(self, x):
         return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
 
@@ -107,6 +151,12 @@ class CausalLM(nnx.Module):
             return self.logits(self.hidden_states(tokens, positions))
         x, new_states = self.hidden_states(tokens, positions, states)
         return self.logits(x), new_states
+
+
+def token_positions(tokens, offset=0):
+    """Positions [B,T] int32 of tokens [B,T] that follow `offset` earlier tokens."""
+    b, t = jnp.shape(tokens)
+    return jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
 def _cache_length(states):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from linjax.mixers.softmax import SoftmaxAttention, pretrained_attention
+from linjax.model import token_positions
 
 
 def next_token_loss(model, tokens: jax.Array) -> jax.Array:
@@ -26,18 +27,17 @@ def next_token_loss(model, tokens: jax.Array) -> jax.Array:
 
 def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
     """Mean over linearized layers of the MSE between their attention output and softmax attention's."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = model.embed_tokens(tokens)
+    positions = token_positions(tokens)
+
+    def teacher(mixer, h, positions):  # the frozen softmax attention, carried in the residual stream
+        return jax.lax.stop_gradient(pretrained_attention(mixer.proj, h, positions))
+
+    activations = model.attention_activations(tokens, positions, attention=teacher)
     losses = []
-    for block in model.layers:
-        h = block.input_layernorm(x)
-        teacher = jax.lax.stop_gradient(pretrained_attention(block.attn.proj, h, positions))
+    for block, layer in zip(model.layers, activations):
         if not isinstance(block.attn, SoftmaxAttention):
-            student = block.attn(h, positions)
-            losses.append(jnp.mean(jnp.square(student.astype(jnp.float32) - teacher.astype(jnp.float32))))
-        x = x + teacher
-        x = x + block.mlp(block.post_attention_layernorm(x))
+            student = block.attn(layer.input, positions)
+            losses.append(jnp.mean(jnp.square(student.astype(jnp.float32) - layer.output.astype(jnp.float32))))
     if not losses:
         raise ValueError("attention transfer needs at least one linearized layer")
     return jnp.mean(jnp.stack(losses))
