@@ -24,84 +24,21 @@ import sys
 import threading
 import time
 
-from linjax import hugepages, watchdog
+import jax.numpy as jnp
+
+import linjax
+from linjax import hugepages, pipeline, train, watchdog
+from linjax.arguments import non_negative_float, non_negative_int
+from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
+from linjax.convert.hf import check_export_directory, write_directory
+from linjax.eval import latency
+from linjax.eval.cli import add_eval_parser
+from linjax.generate import generate
+from linjax.linearize import LinearizeConfig, mixer_names
+from linjax.train.sharding import maybe_initialize_distributed
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
 USER_ERROR = 2
-
-
-# ----------------------------------------------------------------------------- argument types
-# argparse reports an ArgumentTypeError as `argument --seq-len: must be ...`, with the usage and status 2.
-
-
-def _number(kind, text: str, minimum, what: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if not value >= minimum:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _number(int, text, 1, "a positive integer")
-
-
-def non_negative_int(text: str) -> int:
-    return _number(int, text, 0, "an integer ≥ 0")
-
-
-def positive_float(text: str) -> float:
-    value = _number(float, text, 0.0, "a positive number")
-    if value == 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(float, text, 0.0, "a number ≥ 0")
-    if value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
-    return value
-
-
-def names_list(text: str) -> list[str]:
-    """'piqa, arc_easy' → ['piqa', 'arc_easy']; at least one name."""
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"must be comma-separated names like 'a,b', got {text!r}")
-    return names
-
-
-def positive_ints(text: str) -> list[int]:
-    """'1024,2048' → [1024, 2048]; at least one, each a positive integer."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        values = [int(x) for x in items]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers like '1024,2048', "
-                                         f"got {text!r}")
-    return values
-
-
-def optional_positive_ints(text: str) -> list[int]:
-    """Like `positive_ints`, but '' (the default: none) is an empty list."""
-    return positive_ints(text) if text.strip() else []
-
-
-def argument_type(parse):
-    """An argparse type from a parser whose ValueError message is written for people."""
-    def parse_argument(text: str):
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    parse_argument.__name__ = parse.__name__
-    return parse_argument
 
 
 def describe_error(err: BaseException) -> str:
@@ -112,10 +49,6 @@ def describe_error(err: BaseException) -> str:
 
 
 def _convert(args):
-    import linjax
-    from linjax.convert.checkpoint import write_checkpoint_files
-    from linjax.convert.hf import check_export_directory, write_directory
-
     start = time.perf_counter()
     out = check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
@@ -154,11 +87,7 @@ def parse_keep(text: str):
 
 
 def _linearize(args):
-    import linjax
-    from linjax.convert.checkpoint import save_checkpoint
-    from linjax.convert.hf import check_export_directory
-
-    config = linjax.LinearizeConfig(
+    config = LinearizeConfig(
         mechanism=args.mechanism, window=args.window, sinks=args.sinks, combine=args.combine,
         adapter=None if args.adapter == "none" else args.adapter,
         keep_full_attention=parse_keep(args.keep_full_attention))
@@ -166,8 +95,6 @@ def _linearize(args):
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     model = linjax.linearize(model, config, seed=args.seed)
     save_checkpoint(model, args.out, tokenizer)
-    from linjax.linearize import mixer_names
-
     names = mixer_names(model)
     print(f"linearized {args.source}: {names.count(args.mechanism)}/{len(names)} layers {args.mechanism}, "
           f"window {config.window}, sinks {config.sinks}, adapter {config.adapter}; "
@@ -175,9 +102,6 @@ def _linearize(args):
 
 
 def _export(args):
-    import linjax
-    from linjax.convert.hf import check_export_directory
-
     check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source)
     out = linjax.save_hf(model, args.out, tokenizer)
@@ -190,11 +114,6 @@ def _export(args):
 
 
 def _generate(args):
-    import jax.numpy as jnp
-
-    import linjax
-    from linjax.generate import generate
-
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     if tokenizer is None:
         raise ValueError(f"{args.source} has no tokenizer files; save one next to the weights")
@@ -231,9 +150,6 @@ def _reraised_by_orbax(record) -> bool:
 
 
 def _train(args):
-    from linjax import train
-    from linjax.train.sharding import maybe_initialize_distributed
-
     maybe_initialize_distributed()
     config = train.load_experiment(args.config, args.set, args.include)
     absl_logger = logging.getLogger("absl")
@@ -259,16 +175,12 @@ def _train(args):
 
 
 def _run(args):
-    from linjax import pipeline, train
-
     config = train.load_experiment(args.config, args.set, args.include)
     report = pipeline.run(config, watchdog_seconds=args.watchdog)
     print(f"report → {report}")
 
 
 def _bench_latency(args):
-    from linjax.eval import latency
-
     latency.main(args)
 
 
@@ -332,16 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_generate)
 
-    from linjax.eval.cli import add_eval_parser
-    from linjax.eval.latency import add_arguments as add_latency_arguments
-
     add_eval_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks that write JSON, a Markdown table and a plot")
     benches = p.add_subparsers(dest="benchmark", required=True)
     p = benches.add_parser("latency", help="decode latency and peak memory against prompt length, full attention "
                                            "vs linearized (the paper's protocol: batch 8, 16 decode steps)")
-    add_latency_arguments(p)
+    latency.add_arguments(p)
     p.set_defaults(func=_bench_latency)
     return parser
 
