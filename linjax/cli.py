@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
+import typing
 
 import jax.numpy as jnp
 
@@ -34,7 +36,7 @@ from linjax.convert.hf import check_export_directory, write_directory
 from linjax.eval import latency
 from linjax.eval.cli import add_eval_parser
 from linjax.generate import generate
-from linjax.linearize import LinearizeConfig, mixer_names
+from linjax.linearize import ADAPTERS, COMBINES, KERNELS, MIXERS, LinearizeConfig, mixer_names
 from linjax.train.sharding import maybe_initialize_distributed
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
@@ -86,11 +88,32 @@ def parse_keep(text: str):
                          f"got {text!r}") from None
 
 
+# The names each text setting of LinearizeConfig accepts, for --help (LinearizeConfig checks the values).
+LINEARIZE_NAMES = {"mechanism": tuple(MIXERS), "combine": COMBINES, "kernel": KERNELS,
+                   "adapter": tuple("none" if a is None else a for a in ADAPTERS)}
+FLAG_TYPES = {int: non_negative_int, float: float, str: str}
+
+
+def add_linearize_flags(parser) -> None:
+    """One flag per LinearizeConfig field (gate_rank: --gate-rank), with the field's type and default.
+    LinearizeConfig checks the values, so a bad one is one line of error."""
+    hints = typing.get_type_hints(LinearizeConfig)
+    for field in dataclasses.fields(LinearizeConfig):
+        flag, hint = "--" + field.name.replace("_", "-"), hints[field.name]
+        names = LINEARIZE_NAMES.get(field.name)
+        described = (" | ".join(names) + "; " if names else "") + "default: %(default)s"
+        if field.name == "keep_full_attention":  # indices or a fraction, read by parse_keep
+            parser.add_argument(flag, default="", help="layer indices '0,5' or a fraction '0.2'")
+        elif hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=described)
+        else:
+            kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))  # `X | None`: X
+            parser.add_argument(flag, type=FLAG_TYPES[kind], default=field.default, help=described)
+
+
 def _linearize(args):
-    config = LinearizeConfig(
-        mechanism=args.mechanism, window=args.window, sinks=args.sinks, combine=args.combine,
-        adapter=None if args.adapter == "none" else args.adapter,
-        keep_full_attention=parse_keep(args.keep_full_attention))
+    settings = {field.name: getattr(args, field.name) for field in dataclasses.fields(LinearizeConfig)}
+    config = LinearizeConfig(**{**settings, "keep_full_attention": parse_keep(args.keep_full_attention)})
     check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     model = linjax.linearize(model, config, seed=args.seed)
@@ -195,14 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("linearize", help="replace attention with a linear mechanism (untrained) and save")
+    p = sub.add_parser("linearize", help="replace attention with a linear mechanism (untrained) and save",
+                       description="Each setting is a field of linjax.LinearizeConfig, which documents it.")
     p.add_argument("source")
-    p.add_argument("--mechanism", default="gdn", help="gla | kgla | gdn | gdn_scalar | hedgehog")
-    p.add_argument("--window", type=non_negative_int, default=56)
-    p.add_argument("--sinks", type=non_negative_int, default=8)
-    p.add_argument("--combine", default="sum", help="sum (the paper) | mixed (Liger's 0.5/0.5)")
-    p.add_argument("--adapter", default="none", help="none | shortconv | lora")
-    p.add_argument("--keep-full-attention", default="", help="layer indices '0,5' or a fraction '0.2'")
+    add_linearize_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
