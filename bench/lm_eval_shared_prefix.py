@@ -12,7 +12,6 @@ writes JSON. Pin it to the cores you mean to measure (e.g. `taskset -c 0`, OMP_N
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ import tempfile
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from linjax.eval import lm_eval_bridge  # noqa: E402
-from linjax.eval.cli import write_json  # noqa: E402
+from linjax.files import write_json  # noqa: E402
 
 
 def main(argv=None):

@@ -18,7 +18,6 @@ row, so a run cut short keeps what it measured).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 import linjax
+from linjax.files import write_json
 from linjax.layers import Trainable
 from linjax.scan import run_layers
 from linjax.train import sharding
@@ -160,7 +160,7 @@ def main():
         rows.append({"framework": framework, "what": what, "seq_len": seq_len, "seconds": median,
                      "tokens_per_s": seq_len / median, "first_call_s": first, "repeats": args.repeats})
         print(f"{framework:8s} {what:32s} T={seq_len}: {median:.2f} s (first {first:.1f} s)", flush=True)
-        _write_json(args.out, {"machine": machine, "rows": rows})
+        write_json(args.out, {"machine": machine, "rows": rows})
 
     # Short sequences first: a long one that runs out of memory leaves the rows measured before it.
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
@@ -186,13 +186,6 @@ def markdown(rows) -> str:
                  for n in lengths]
         lines.append(f"| {framework} {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _write_json(path, result):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,21 @@ from flax import nnx
 
 from linjax.config import ModelConfig
 from linjax.convert.hf import write_directory
-from linjax.linearize import LinearizeConfig
+from linjax.files import write_json
+from linjax.layers import Trainable
+from linjax.linearize import LinearizeConfig, linearize
 from linjax.model import CausalLM, abstract_model
 
 MANIFEST = "linjax.json"
 FORMAT_VERSION = 1
+
+
+def _checkpointer():
+    """orbax's StandardCheckpointer. orbax is imported on first use: it takes a few tenths of a second
+    to import, which every `linjax` command would pay (and commands that save nothing need not)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def is_checkpoint(directory: str) -> bool:
@@ -39,9 +49,7 @@ def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
 
 def write_checkpoint_files(model: CausalLM, directory: str, tokenizer=None) -> None:
     """params/ (orbax), tokenizer/ and linjax.json into an existing directory."""
-    import orbax.checkpoint as ocp
-
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = _checkpointer()
     checkpointer.save(os.path.join(directory, "params"), nnx.state(model))
     checkpointer.wait_until_finished()
     if tokenizer is not None:
@@ -50,8 +58,7 @@ def write_checkpoint_files(model: CausalLM, directory: str, tokenizer=None) -> N
     manifest = {"format_version": FORMAT_VERSION, "dtype": str(model.dtype),
                 "model_config": model.config.to_hf(),
                 "linearize": None if linearized is None else linearized.to_dict()}
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=2)
+    write_json(os.path.join(directory, MANIFEST), manifest)
 
 
 def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: str) -> str:
@@ -61,14 +68,10 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
     settings and puts the trained parameters in; the frozen weights are not
     written again (they are bit-identical to the base's).
     """
-    import orbax.checkpoint as ocp
-
-    from linjax.layers import Trainable
-
     directory = os.path.abspath(directory)
     if os.path.exists(base_source):
         base_source = os.path.abspath(base_source)
-    checkpointer = ocp.StandardCheckpointer()  # every process takes part in a multi-process save
+    checkpointer = _checkpointer()  # every process takes part in a multi-process save
     checkpointer.save(os.path.join(directory, "trainable"), nnx.state(model, Trainable), force=True)
     checkpointer.wait_until_finished()
     if jax.process_index() != 0:
@@ -76,10 +79,7 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
     manifest = {"format_version": FORMAT_VERSION, "kind": "trained", "base_source": base_source,
                 "dtype": str(jnp.dtype(dtype)), "model_config": model.config.to_hf(),
                 "linearize": model.linearize_config.to_dict()}
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2)
-    os.replace(tmp, os.path.join(directory, MANIFEST))
+    write_json(os.path.join(directory, MANIFEST), manifest)
     return directory
 
 
@@ -90,25 +90,19 @@ def _on_this_process(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
 
 
-def _load_trained(directory: str, manifest: dict, dtype):
-    from linjax.convert.sources import load
-    from linjax.linearize import linearize
-
-    model, tokenizer = load(manifest["base_source"], dtype or manifest["dtype"])
-    if model.config != ModelConfig.from_hf(manifest["model_config"]):
+def trained_model(base: CausalLM, directory: str, manifest: dict) -> CausalLM:
+    """The model of a training run (`save_trained`): `base`, loaded from the manifest's `base_source`
+    by the caller (`sources.load`), linearized as saved, with the trained parameters put in."""
+    if base.config != ModelConfig.from_hf(manifest["model_config"]):
         raise ValueError(f"{directory}: the base model at {manifest['base_source']!r} has changed since training")
-    model = linearize(model, LinearizeConfig.from_dict(manifest["linearize"]))
+    model = linearize(base, LinearizeConfig.from_dict(manifest["linearize"]))
     _restore_trainable(model, directory)
-    return model, tokenizer
+    return model
 
 
 def _restore_trainable(model: CausalLM, directory: str) -> None:
-    import orbax.checkpoint as ocp
-
-    from linjax.layers import Trainable
-
     target = _on_this_process(nnx.state(model, Trainable))
-    nnx.update(model, ocp.StandardCheckpointer().restore(os.path.join(directory, "trainable"), target))
+    nnx.update(model, _checkpointer().restore(os.path.join(directory, "trainable"), target))
 
 
 def load_trained_parameters(model: CausalLM, directory: str) -> None:
@@ -135,30 +129,37 @@ def load_trained_parameters(model: CausalLM, directory: str) -> None:
     _restore_trainable(model, directory)
 
 
-def load_checkpoint(directory: str, dtype=None):
-    """(model, tokenizer or None) from a directory written by `save_checkpoint` or `save_trained`."""
-    import orbax.checkpoint as ocp
-
-    directory = os.path.abspath(directory)
+def read_manifest(directory: str) -> dict:
+    """linjax.json of a checkpoint; a ValueError if another linjax version wrote it."""
     with open(os.path.join(directory, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory}: checkpoint format {manifest.get('format_version')} "
                          f"is not {FORMAT_VERSION}; it was written by another linjax version")
+    return manifest
+
+
+def load_checkpoint(directory: str, dtype=None):
+    """(model, tokenizer or None) from a directory written by `save_checkpoint`. A training run's
+    directory (`save_trained`) holds only the trained parameters: `linjax.load` reads it."""
+    directory = os.path.abspath(directory)
+    manifest = read_manifest(directory)
     if manifest.get("kind") == "trained":
-        return _load_trained(directory, manifest, dtype)
+        raise ValueError(f"{directory} holds a training run's parameters on {manifest['base_source']!r}, "
+                         "not a whole model; load it with linjax.load")
     config = ModelConfig.from_hf(manifest["model_config"])
     saved_dtype = jnp.dtype(manifest["dtype"])
     linearized = manifest.get("linearize")
     linearized = None if linearized is None else LinearizeConfig.from_dict(linearized)
     graphdef, abstract_state = nnx.split(abstract_model(config, linearized, dtype=saved_dtype))
-    state = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
+    state = _checkpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
     model = nnx.merge(graphdef, state)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         model = cast_model(model, dtype)
     tokenizer = None
     if os.path.isdir(os.path.join(directory, "tokenizer")):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # on use only: it takes half a second to import
+
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
     return model, tokenizer
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize
 
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -28,8 +30,6 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 
 def open_gguf(path: str):
     """A `gguf.GGUFReader`, with a clear error for a missing or damaged file."""
-    import gguf
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
     try:
@@ -102,8 +102,6 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_tensors(reader, config: dict, path: str = "GGUF file") -> dict[str, np.ndarray]:
     """All tensors, dequantised to fp32, under HF names."""
-    from gguf.quants import dequantize
-
     permute = config["model_type"] == "llama"
     out, unknown = {}, []
     for tensor in reader.tensors:
@@ -144,7 +142,7 @@ def load_gguf_tokenizer(path: str, reader=None):
     not need torch to load a model, so it reads the metadata with the `gguf`
     package and hands it to transformers' torch-free GGUF tokenizer builder.
     """
-    try:
+    try:  # transformers on use only: it takes half a second to import
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
     except ImportError:  # another transformers layout: its own loader (needs torch)

@@ -16,7 +16,9 @@ import tempfile
 
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from flax import nnx
+from safetensors import safe_open
 
 from linjax.config import ModelConfig
 from linjax.model import CausalLM, abstract_model
@@ -115,8 +117,6 @@ def model_tensors(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
 
 def read_safetensors(directory: str) -> dict[str, np.ndarray]:
     """All tensors of an HF model directory, single-file or sharded."""
-    from safetensors import safe_open
-
     index = os.path.join(directory, "model.safetensors.index.json")
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(index):
@@ -147,11 +147,9 @@ def load_hf_directory(directory: str, dtype=jnp.float32) -> CausalLM:
 def write_hf_files(directory: str, config: dict, tensors: dict, tokenizer=None, extra_files=None):
     """config.json + model.safetensors (+ tokenizer files, + `extra_files` {name: source path}, e.g. modeling
     code) into an existing directory."""
-    from safetensors.numpy import save_file
-
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     for name, source in (extra_files or {}).items():
@@ -279,14 +277,13 @@ def _write_error(directory: str, err: OSError) -> WriteFailed:
 def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:
     """Writes `config.json` + `model.safetensors` (+ tokenizer files) that transformers loads.
 
-    A linearized model has no standard architecture: it goes to `linjax.convert.export.export_hf`,
-    which adds PyTorch modeling code (`trust_remote_code=True`)."""
+    A linearized model has no standard architecture: `linjax.save_hf` sends it to
+    `linjax.convert.export.export_hf`, which adds PyTorch modeling code (`trust_remote_code=True`)."""
     if not isinstance(model, CausalLM):
         raise TypeError(f"save_hf expects a linjax CausalLM, got {type(model).__name__}")
     if model.linearize_config is not None:
-        from linjax.convert.export import export_hf
-
-        return export_hf(model, directory, tokenizer)
+        raise ValueError("a linearized model has no standard architecture: write it with linjax.save_hf, "
+                         "which adds its modeling code")
     directory = check_export_directory(directory)
     config = model.config.to_hf()
     config["torch_dtype"] = config["dtype"] = str(model.dtype)

@@ -74,7 +74,7 @@ def convert_gguf_to_hf_directory(path: str, directory: str) -> str:
 
 
 def _load_hf_directory(directory: str, dtype):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # on use only: it takes half a second to import
 
     model = hf.load_hf_directory(directory, dtype)
     tokenizer = None
@@ -107,11 +107,21 @@ def source_hf_config(source: str) -> dict:
         with open(path) as f:
             return json.load(f)
     if _looks_like_hub_id(source):
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # only for hub ids (a dependency of transformers')
 
         with open(hf_hub_download(source, "config.json")) as f:
             return json.load(f)
     raise FileNotFoundError(f"model source {source!r} not found")
+
+
+def _load_checkpoint(directory: str, dtype):
+    """A linjax checkpoint. A training run's holds only the trained parameters: its base model is
+    loaded (from wherever it came from) and linearized first."""
+    manifest = checkpoint.read_manifest(directory)
+    if manifest.get("kind") != "trained":
+        return checkpoint.load_checkpoint(directory, dtype)
+    base, tokenizer = load(manifest["base_source"], dtype or manifest["dtype"])
+    return checkpoint.trained_model(base, directory, manifest), tokenizer
 
 
 def load(source: str, dtype="float32"):
@@ -129,13 +139,13 @@ def load(source: str, dtype="float32"):
         return _load_hf_directory(cached, dtype)
     if os.path.isdir(source):
         if checkpoint.is_checkpoint(source):
-            return checkpoint.load_checkpoint(source, dtype)
+            return _load_checkpoint(source, dtype)
         return _load_hf_directory(source, dtype)
     if os.path.exists(source):
         raise ValueError(f"{source!r} is a file but not a .gguf; expected a GGUF file, an HF model "
                          "directory, a linjax checkpoint directory or a hub id")
     if _looks_like_hub_id(source):
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # only for hub ids (a dependency of transformers')
 
         directory = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
         return _load_hf_directory(directory, dtype)

@@ -14,7 +14,6 @@ teacher is the original model; the student a linearization of it.
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -22,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from linjax import watchdog
+from linjax.eval.models import load_model
+from linjax.files import read_file_documents, pyplot, write_figure, write_json
 from linjax.mixers.softmax import SoftmaxAttention
 from linjax.model import token_positions
 
@@ -33,32 +34,11 @@ def mse_and_nmse(full: np.ndarray, lin: np.ndarray) -> tuple[float, float]:
     return mse, mse / float(np.var(full))
 
 
-def read_texts(path: str) -> list[str]:
-    """Documents of a .txt (the whole file), .jsonl ({"text"}) or .json file (Alpaca records:
-    instruction, input and output joined; or {"text"} records)."""
-    if path.endswith((".txt", ".raw")):
-        with open(path, encoding="utf-8") as f:
-            return [f.read()]
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()] if path.endswith(".jsonl") else json.load(f)
-    if isinstance(records, dict):
-        records = [records]
-    texts = []
-    for r in records:
-        if "text" in r:
-            texts.append(r["text"])
-        elif "instruction" in r:
-            texts.append("\n\n".join(p for p in (r["instruction"], r.get("input", ""), r.get("output", "")) if p))
-        else:
-            raise ValueError(f"{path}: records need a 'text' field or Alpaca fields; got keys {sorted(r)}")
-    return texts
-
-
 def token_sequences(tokenizer, path: str, num_seqs: int, seq_len: int) -> np.ndarray:
     """`num_seqs` rows of `seq_len` tokens: the documents tokenised, joined with EOS, cut in order."""
     ids: list[int] = []
     eos = tokenizer.eos_token_id
-    for text in read_texts(path):
+    for text in read_file_documents(path):
         ids += tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
         if len(ids) >= num_seqs * seq_len:
             break
@@ -136,11 +116,7 @@ def approximation_error(teacher, student, sequences: np.ndarray) -> dict:
 
 def plot(result: dict, out_dir: str) -> list[str]:
     """approx_per_layer.png and approx_per_token.png; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     layers = result["per_layer"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -148,7 +124,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
     ax.set_xlabel("layer")
     ax.set_ylabel("nMSE")
     ax.set_title("approximation error per layer")
-    paths.append(_save(fig, os.path.join(out_dir, "approx_per_layer.png")))
+    paths.append(write_figure(fig, os.path.join(out_dir, "approx_per_layer.png")))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     curve = result["per_token"]["nmse"]
     ax.plot(np.arange(len(curve)), curve, lw=1)
@@ -156,25 +132,12 @@ def plot(result: dict, out_dir: str) -> list[str]:
     ax.set_ylabel("nMSE (mean over layers)")
     ax.set_yscale("log")
     ax.set_title("approximation error per token")
-    paths.append(_save(fig, os.path.join(out_dir, "approx_per_token.png")))
+    paths.append(write_figure(fig, os.path.join(out_dir, "approx_per_token.png")))
     return paths
-
-
-def _save(fig, path: str) -> str:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
-    return path
 
 
 def run(teacher_spec: str, student_spec: str, *, data: str, num_seqs: int, seq_len: int, out_dir: str) -> dict:
     """Loads both models, measures, writes approx.json and the plots into out_dir; returns the result."""
-    from linjax.eval.cli import write_json
-    from linjax.eval.models import load_model
-
     teacher, tokenizer, teacher_name = load_model(teacher_spec)
     student, _, student_name = load_model(student_spec)
     if tokenizer is None:

@@ -13,33 +13,19 @@ MODEL: see `linjax.eval.models.load_model`.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from linjax import watchdog
-from linjax.cli import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
-                        positive_ints)
-
-
-def write_text(path: str, text: str) -> None:
-    """Atomic text write (a crash never leaves half a file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write_json(path: str, data) -> None:
-    """Atomic JSON write."""
-    write_text(path, json.dumps(data, indent=2))
+from linjax.arguments import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
+                              positive_ints)
+from linjax.eval import approx, diagnostics, lm_eval_bridge, ruler, select_layers
+from linjax.eval.models import load_model
+from linjax.eval.perplexity import perplexity, token_windows
+from linjax.files import write_json
 
 
 def _perplexity(args):
-    from linjax.eval.models import load_model
-    from linjax.eval.perplexity import perplexity, token_windows
-
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
     rows = []
@@ -63,8 +49,6 @@ def _perplexity(args):
 
 
 def _approx(args):
-    from linjax.eval import approx
-
     result = approx.run(args.teacher, args.student, data=args.data, num_seqs=args.num_seqs, seq_len=args.seq_len,
                         out_dir=args.out)
     print("| layer | MSE | nMSE |\n|---|---|---|")
@@ -74,8 +58,6 @@ def _approx(args):
 
 
 def _diagnostics(args):
-    from linjax.eval import diagnostics
-
     result = diagnostics.run(args.source, data=args.data, num_seqs=args.num_seqs, seq_len=args.seq_len,
                              out_dir=args.out, student=args.student)
     c, r = result["per_token"]["concentration"], result["per_token"]["residual"]
@@ -85,16 +67,12 @@ def _diagnostics(args):
 
 
 def _select_layers(args):
-    from linjax.eval import select_layers
-
     layers = select_layers.select(args.layers, args.keep, args.by, args.scores)
     select_layers.write_fragment(layers, args.out, f"linjax eval select-layers --keep {args.keep} --by {args.by}")
     print(f"keep full attention in layers {layers} → {args.out} (use: linjax train CONFIG --include {args.out})")
 
 
 def _ruler(args):
-    from linjax.eval import ruler
-
     result = ruler.run(args.model, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                        out=args.out, budgets=args.budgets or None, sinks=args.sinks,
                        window_only=args.window_only, haystack=args.haystack,
@@ -103,8 +81,6 @@ def _ruler(args):
 
 
 def _lm_eval(args):
-    from linjax.eval import lm_eval_bridge
-
     out = args.out or lm_eval_bridge.default_out_dir(args.model, resume=args.resume)
     print(f"lm-eval results will be written to {out}", flush=True)  # before the long run, as lm-eval's CLI
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from linjax import watchdog
+from linjax.eval.approx import approximation_error, token_sequences
+from linjax.eval.models import load_model
+from linjax.files import pyplot, write_figure, write_json
 from linjax.model import token_positions
 
 EPS = 1e-6
@@ -81,8 +84,6 @@ def diagnostics(model, sequences: np.ndarray, student=None, bins: int = 10) -> d
                             for i in range(c_mean.shape[0])],
               "per_layer_head_token": {"concentration": c_mean.tolist(), "residual": r_mean.tolist()}}
     if student is not None:
-        from linjax.eval.approx import approximation_error
-
         errors = approximation_error(model, student, sequences)
         layers = [r["layer"] for r in errors["per_layer"]]
         nmse = np.asarray(errors["per_layer_token_nmse"])                  # [linear layers, T]
@@ -104,13 +105,7 @@ def _binned(values: np.ndarray, nmse: np.ndarray, bins: int) -> list[dict]:
 
 
 def plot(result: dict, out_dir: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from linjax.eval.approx import _save
-
+    plt = pyplot()
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, name in zip(axes, ("concentration", "residual")):
@@ -119,7 +114,7 @@ def plot(result: dict, out_dir: str) -> list[str]:
         ax.set_xscale("log")
         ax.set_xlabel("token index")
         ax.set_ylabel({"concentration": "key concentration C_t", "residual": "projection residual R_t"}[name])
-    paths.append(_save(fig, os.path.join(out_dir, "diagnostics_per_token.png")))
+    paths.append(write_figure(fig, os.path.join(out_dir, "diagnostics_per_token.png")))
     if "binned_nmse" in result:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
         for ax, name in zip(axes, ("concentration", "residual")):
@@ -127,15 +122,11 @@ def plot(result: dict, out_dir: str) -> list[str]:
             ax.plot([(r["low"] + r["high"]) / 2 for r in rows], [r["nmse"] for r in rows], "o-")
             ax.set_xlabel(name)
             ax.set_ylabel("nMSE")
-        paths.append(_save(fig, os.path.join(out_dir, "diagnostics_binned_nmse.png")))
+        paths.append(write_figure(fig, os.path.join(out_dir, "diagnostics_binned_nmse.png")))
     return paths
 
 
 def run(source: str, *, data: str, num_seqs: int, seq_len: int, out_dir: str, student: str | None = None) -> dict:
-    from linjax.eval.approx import token_sequences
-    from linjax.eval.cli import write_json
-    from linjax.eval.models import load_model
-
     model, tokenizer, name = load_model(source)
     if tokenizer is None:
         raise ValueError(f"{source} has no tokenizer; diagnostics need one to read {data}")

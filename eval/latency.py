@@ -37,8 +37,11 @@ import sys
 import time
 from importlib import metadata
 
+import linjax
+from linjax.arguments import argument_type, positive_float, positive_int
 from linjax.eval import latency_point
-from linjax.eval.latency_point import IMPLEMENTATIONS, kv_cache_bytes, write_atomic
+from linjax.eval.latency_point import IMPLEMENTATIONS, kv_cache_bytes
+from linjax.files import pyplot, write_figure, write_json, write_text
 
 KV_CACHE_IMPLEMENTATIONS = ("full", "transformers")  # state grows with L: checked against free memory first
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -161,8 +164,6 @@ def ensure_hf_dir(model: str, hf_dir: str, progress=print) -> dict:
     """The HF config of `hf_dir`, exporting `model` there first (linjax.save_hf) if it has none."""
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
-        import linjax
-
         progress(f"exporting {model} to {hf_dir} for transformers (linjax.save_hf)")
         loaded, tokenizer = linjax.load(model)
         if loaded.linearize_config is not None:
@@ -253,9 +254,9 @@ def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batc
                 stopped.setdefault(impl, f"L={length} did not complete ({point['status']})")
             result["points"].append(point)
             result["summary"] = summarize(result)
-            write_atomic(os.path.join(out_dir, "latency.json"), json.dumps(result, indent=2))
+            write_json(os.path.join(out_dir, "latency.json"), result)
             progress(f"{label}: {describe(point)}")
-    write_atomic(os.path.join(out_dir, "latency.md"), markdown(result))
+    write_text(os.path.join(out_dir, "latency.md"), markdown(result))
     plot(result, os.path.join(out_dir, "latency.png"))
     return result
 
@@ -360,11 +361,7 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """latency.png: decode latency and peak memory against L (log2 axis), one line per implementation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for impl in result["implementations"]:
         points = sorted(_ok(result, impl).values(), key=lambda p: p["L"])
@@ -382,10 +379,7 @@ def plot(result: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     time_ax.legend(fontsize=8)
     fig.suptitle(f"{result['model']}: batch {result['protocol']['batch']}, prefill: {result['prefill']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    write_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -393,8 +387,6 @@ def plot(result: dict, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `linjax bench latency` and `bench/latency.py` (one definition for both)."""
-    from linjax.cli import argument_type, positive_float, positive_int
-
     parser.add_argument("--lengths", type=argument_type(parse_lengths), default=",".join(map(str, DEFAULT_LENGTHS)),
                         help="prompt lengths L")
     parser.add_argument("--implementations", type=argument_type(parse_implementations),

@@ -416,7 +416,8 @@ def point_main(argv) -> None:
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Writes through a temporary file, so a reader never sees half of it."""
+    """Writes through a temporary file, so a reader never sees half of it. Not linjax.files.write_text:
+    this process must not import the linjax package (it imports JAX, see the module's docstring)."""
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)

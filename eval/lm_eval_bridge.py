@@ -44,13 +44,17 @@ import glob
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import re
 import tempfile
 import time
 
+import linjax
 from linjax import watchdog
+from linjax.eval.models import load_model
+from linjax.files import write_json, write_text
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "lambada_openai")
@@ -76,9 +80,7 @@ class _QuietCustomDataset:
 
 def task_manager(data_dir: str | None = None):
     """lm-eval TaskManager: the standard tasks, or (data_dir given) only linjax's local tasks."""
-    import logging
-
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lm-eval is optional (`pip install linjax[eval]`)
 
     logger = logging.getLogger("lm_eval.api.task")
     if not any(isinstance(f, _QuietCustomDataset) for f in logger.filters):
@@ -98,7 +100,7 @@ def load_tasks(names, data_dir: str | None = None):
 def evaluate_task(lm, name: str, *, num_fewshot: int, limit, manager, log_samples: bool = False,
                   use_cache: str | None = None) -> dict:
     """lm-eval's simple_evaluate of one lm-eval task name with the bridge's settings (seeds, bootstrap)."""
-    import lm_eval
+    import lm_eval  # optional: `pip install linjax[eval]`
 
     return lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=num_fewshot, limit=limit,
                                    task_manager=manager, log_samples=log_samples, bootstrap_iters=1000,
@@ -147,9 +149,6 @@ def hf_directory(model_spec: str):
     if is_hf_directory(model_spec):
         yield model_spec
         return
-    import linjax
-    from linjax.eval.models import load_model
-
     model, tokenizer, _ = load_model(model_spec)
     if tokenizer is None:
         raise ValueError(f"{model_spec} has no tokenizer; lm-eval needs one")
@@ -217,6 +216,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     tasks, and the requests it scored of the task it was killed in (the model files must be unchanged).
     samples: also write samples_<task>.jsonl (one `sample_records` record a line) for every leaf task run.
     """
+    # Optional and heavy (lm-eval, torch, transformers): `pip install linjax[eval]`.
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -302,7 +302,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
 
 
 def _device() -> str:
-    import torch
+    import torch  # optional: `pip install linjax[eval]`
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -344,15 +344,11 @@ def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: 
 
 def _write_samples(out_dir: str, task: str, records) -> None:
     """samples_<task>.jsonl, atomically."""
-    from linjax.eval.cli import write_text
-
     write_text(os.path.join(out_dir, f"samples_{task}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _write(out_dir: str, summary: dict) -> None:
     """lm_eval_results.json and results.md, atomically."""
-    from linjax.eval.cli import write_json, write_text
-
     write_json(os.path.join(out_dir, "lm_eval_results.json"), summary)
     write_text(os.path.join(out_dir, "results.md"),
                f"# lm-eval: {summary['model']}\n\n{summary['source']}, limit {summary['limit']}, "

@@ -8,14 +8,13 @@
 
 from __future__ import annotations
 
+import linjax
+from linjax.train import load_experiment
+
 
 def load_model(spec: str, dtype: str = "float32"):
     """(model, tokenizer, description) for a MODEL argument."""
-    import linjax
-
     if spec.endswith(".toml"):
-        from linjax.train import load_experiment
-
         experiment = load_experiment(spec)
         model, tokenizer = linjax.load(experiment.model.source, dtype=dtype)
         model = linjax.linearize(model, experiment.linearize, seed=experiment.train.seed)

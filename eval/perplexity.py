@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from linjax import watchdog
 
@@ -29,8 +30,6 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int | None = 
 
 def perplexity(model, windows: np.ndarray, batch_size: int = 1, progress: bool = False) -> dict:
     """{'perplexity', 'nll', 'tokens', 'windows'} of `model` over token windows [N, L]."""
-    from tqdm.auto import tqdm
-
     graphdef, state = nnx.split(model)
 
     @jax.jit

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-from linjax.eval.cli import write_text
+import numpy as np
+
+from linjax.files import pyplot, write_figure, write_text
 
 
 def _loss_plot(run_dir: str) -> str | None:
@@ -17,12 +19,7 @@ def _loss_plot(run_dir: str) -> str | None:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    plt = pyplot()
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steps = np.array([r["step"] for r in records])
@@ -34,12 +31,7 @@ def _loss_plot(run_dir: str) -> str | None:
     ax.set_xlabel("step")
     ax.set_ylabel("next-token cross-entropy")
     ax.legend()
-    fig.tight_layout()
-    out = os.path.join(run_dir, "training_loss.png")
-    fig.savefig(out + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(out + ".tmp.png", out)
-    return os.path.basename(out)
+    return os.path.basename(write_figure(fig, os.path.join(run_dir, "training_loss.png")))
 
 
 def _section_skipped(title: str, result) -> list[str] | None:

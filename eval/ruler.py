@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
+
+import linjax
+from linjax.eval.models import load_model
 from linjax.eval.ruler_tasks import (
     ANSWER_PREFIX,
     DEPTHS,
@@ -36,6 +41,9 @@ from linjax.eval.ruler_tasks import (
     read_haystack,
     score,
 )
+from linjax.files import write_json, write_text
+from linjax.generate import generate
+from linjax.linearize import with_budget
 
 # The generators' names, importable from here as before the split.
 __all__ = ["ANSWER_PREFIX", "DEPTHS", "NEW_TOKENS", "NOISE", "TASKS", "TEMPLATE", "Generator", "Sample",
@@ -46,11 +54,6 @@ PREFILL_CHUNK = 256  # fixed prefill shapes: one compilation serves every prompt
 
 def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> list[dict]:
     """Greedy answers and scores of `samples` (one at a time: prompts differ in length)."""
-    import jax.numpy as jnp
-    from tqdm.auto import tqdm
-
-    from linjax.generate import generate
-
     rows = []
     # One cache size for all samples (prompts are within 2% of each other), so one compilation.
     capacity = max(len(tokenizer(s.prompt, add_special_tokens=False)["input_ids"]) + s.max_new_tokens
@@ -70,9 +73,6 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> di
     (sinks + window = b): a linearized model re-read at that budget (`with_budget`), or, with
     `window_only`, the full-attention model restricted to sinks + window softmax with no linear
     term (mechanism "window", the training-free baseline)."""
-    import linjax
-    from linjax.linearize import with_budget
-
     linearized = getattr(model, "linearize_config", None) is not None
     if window_only and (linearized or not budgets):
         raise ValueError("--window-only turns a full-attention model into sinks + window attention at each "
@@ -100,8 +100,6 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> di
 def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None, sinks: int = 8,
         window_only: bool = False, haystack: str | None = None, seed: int = 0, progress: bool = True) -> dict:
     """RULER accuracy per task × length (× cache budget); writes `out` (+ .md) after every cell."""
-    from linjax.eval.models import load_model
-
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -132,8 +130,6 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
 
 def _write(out: str, name: str, settings: dict, results: list, details: list) -> dict:
     """The results JSON and a Markdown table beside it (same name, .md), atomically."""
-    from linjax.eval.cli import write_json, write_text
-
     table = ["| task | length | cache | accuracy | samples |", "|---|---|---|---|---|"]
     table += [f"| {r['task']} | {r['length']} | {r['variant']} | {r['accuracy']:.2f} | {r['samples']} |"
               for r in results]

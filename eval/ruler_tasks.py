@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import re
 import string
 import uuid
 
 import numpy as np
+
+from linjax.eval.data import data_file
 from linjax.eval.ruler_words import WORDS
+from linjax.files import read_file_documents
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "multikey", "multikey_2", "multikey_3",
          "multivalue", "multiquery", "vt", "cwe", "fwe")
@@ -116,13 +118,7 @@ def _sentences(text: str) -> list[str]:
 
 def read_haystack(path: str) -> list[str]:
     """Sentences of a haystack file: RULER's PaulGrahamEssays.json ({"text"}), a .jsonl of {"text"}, or text."""
-    with open(path, encoding="utf-8") as f:
-        raw = f.read()
-    if path.endswith(".json"):
-        data = json.loads(raw)
-        raw = data["text"] if isinstance(data, dict) else " ".join(d["text"] for d in data)
-    elif path.endswith(".jsonl"):
-        raw = " ".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())
+    raw = " ".join(read_file_documents(path))
     sentences = _sentences(raw)
     if len(sentences) < 10:
         raise ValueError(f"{path}: too little text for a haystack ({len(sentences)} sentences)")
@@ -130,8 +126,6 @@ def read_haystack(path: str) -> list[str]:
 
 
 def default_haystack() -> str | None:
-    from linjax.eval.data import data_file
-
     return data_file("ruler", "PaulGrahamEssays.json")
 
 

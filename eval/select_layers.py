@@ -12,8 +12,8 @@ result is a config fragment `linjax train --include` and `linjax run --include` 
 from __future__ import annotations
 
 import json
-import os
 
+from linjax.files import write_text
 
 METRICS = {"concentration": ("concentration", "low"), "residual": ("residual", "high"), "nmse": ("nmse", "high")}
 
@@ -73,10 +73,6 @@ def select(num_layers: int | None, keep: float, by: str, scores_path: str | None
 
 def write_fragment(layers: list[int], path: str, comment: str = "") -> str:
     text = (f"# {comment}\n" if comment else "") + f"[linearize]\nkeep_full_attention = {json.dumps(layers)}\n"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-    return path
+    return write_text(path, text)
 
 

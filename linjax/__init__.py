@@ -15,6 +15,10 @@ from linjax.model import CausalLM, abstract_model, parameter_count
 __version__ = "0.1.0"
 
 
+# The converters are imported on first use: they bring orbax and the file formats' libraries, which
+# `import linjax` for modelling alone does not need.
+
+
 def load(source, dtype="float32"):
     """(model, tokenizer) from `"smollm2-135m"`, a `.gguf` file, an HF directory or hub id, or a linjax checkpoint."""
     from linjax.convert.sources import load as _load
@@ -27,9 +31,11 @@ def save_hf(model, directory, tokenizer=None):
 
     A linearized model also gets `modeling_linjax.py`: load it with
     `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`, no JAX needed."""
-    from linjax.convert.hf import save_hf as _save_hf
+    from linjax.convert import export, hf
 
-    return _save_hf(model, directory, tokenizer)
+    if isinstance(model, CausalLM) and model.linearize_config is not None:
+        return export.export_hf(model, directory, tokenizer)  # with its PyTorch modeling code
+    return hf.save_hf(model, directory, tokenizer)
 
 
 __all__ = ["CausalLM", "LinearizeConfig", "ModelConfig", "abstract_model", "generate", "linearize",

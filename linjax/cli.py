@@ -18,90 +18,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
+import typing
 
-from linjax import hugepages, watchdog
+import jax.numpy as jnp
+
+import linjax
+from linjax import hugepages, pipeline, train, watchdog
+from linjax.arguments import non_negative_float, non_negative_int
+from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
+from linjax.convert.hf import check_export_directory, write_directory
+from linjax.eval import latency
+from linjax.eval.cli import add_eval_parser
+from linjax.generate import generate
+from linjax.linearize import ADAPTERS, COMBINES, KERNELS, MIXERS, LinearizeConfig, mixer_names
+from linjax.train.sharding import maybe_initialize_distributed
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
 USER_ERROR = 2
-
-
-# ----------------------------------------------------------------------------- argument types
-# argparse reports an ArgumentTypeError as `argument --seq-len: must be ...`, with the usage and status 2.
-
-
-def _number(kind, text: str, minimum, what: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if not value >= minimum:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _number(int, text, 1, "a positive integer")
-
-
-def non_negative_int(text: str) -> int:
-    return _number(int, text, 0, "an integer ≥ 0")
-
-
-def positive_float(text: str) -> float:
-    value = _number(float, text, 0.0, "a positive number")
-    if value == 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(float, text, 0.0, "a number ≥ 0")
-    if value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
-    return value
-
-
-def names_list(text: str) -> list[str]:
-    """'piqa, arc_easy' → ['piqa', 'arc_easy']; at least one name."""
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"must be comma-separated names like 'a,b', got {text!r}")
-    return names
-
-
-def positive_ints(text: str) -> list[int]:
-    """'1024,2048' → [1024, 2048]; at least one, each a positive integer."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        values = [int(x) for x in items]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers like '1024,2048', "
-                                         f"got {text!r}")
-    return values
-
-
-def optional_positive_ints(text: str) -> list[int]:
-    """Like `positive_ints`, but '' (the default: none) is an empty list."""
-    return positive_ints(text) if text.strip() else []
-
-
-def argument_type(parse):
-    """An argparse type from a parser whose ValueError message is written for people."""
-    def parse_argument(text: str):
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    parse_argument.__name__ = parse.__name__
-    return parse_argument
 
 
 def describe_error(err: BaseException) -> str:
@@ -112,10 +51,6 @@ def describe_error(err: BaseException) -> str:
 
 
 def _convert(args):
-    import linjax
-    from linjax.convert.checkpoint import write_checkpoint_files
-    from linjax.convert.hf import check_export_directory, write_directory
-
     start = time.perf_counter()
     out = check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
@@ -153,21 +88,36 @@ def parse_keep(text: str):
                          f"got {text!r}") from None
 
 
-def _linearize(args):
-    import linjax
-    from linjax.convert.checkpoint import save_checkpoint
-    from linjax.convert.hf import check_export_directory
+# The names each text setting of LinearizeConfig accepts, for --help (LinearizeConfig checks the values).
+LINEARIZE_NAMES = {"mechanism": tuple(MIXERS), "combine": COMBINES, "kernel": KERNELS,
+                   "adapter": tuple("none" if a is None else a for a in ADAPTERS)}
+FLAG_TYPES = {int: non_negative_int, float: float, str: str}
 
-    config = linjax.LinearizeConfig(
-        mechanism=args.mechanism, window=args.window, sinks=args.sinks, combine=args.combine,
-        adapter=None if args.adapter == "none" else args.adapter,
-        keep_full_attention=parse_keep(args.keep_full_attention))
+
+def add_linearize_flags(parser) -> None:
+    """One flag per LinearizeConfig field (gate_rank: --gate-rank), with the field's type and default.
+    LinearizeConfig checks the values, so a bad one is one line of error."""
+    hints = typing.get_type_hints(LinearizeConfig)
+    for field in dataclasses.fields(LinearizeConfig):
+        flag, hint = "--" + field.name.replace("_", "-"), hints[field.name]
+        names = LINEARIZE_NAMES.get(field.name)
+        described = (" | ".join(names) + "; " if names else "") + "default: %(default)s"
+        if field.name == "keep_full_attention":  # indices or a fraction, read by parse_keep
+            parser.add_argument(flag, default="", help="layer indices '0,5' or a fraction '0.2'")
+        elif hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=described)
+        else:
+            kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))  # `X | None`: X
+            parser.add_argument(flag, type=FLAG_TYPES[kind], default=field.default, help=described)
+
+
+def _linearize(args):
+    settings = {field.name: getattr(args, field.name) for field in dataclasses.fields(LinearizeConfig)}
+    config = LinearizeConfig(**{**settings, "keep_full_attention": parse_keep(args.keep_full_attention)})
     check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     model = linjax.linearize(model, config, seed=args.seed)
     save_checkpoint(model, args.out, tokenizer)
-    from linjax.linearize import mixer_names
-
     names = mixer_names(model)
     print(f"linearized {args.source}: {names.count(args.mechanism)}/{len(names)} layers {args.mechanism}, "
           f"window {config.window}, sinks {config.sinks}, adapter {config.adapter}; "
@@ -175,9 +125,6 @@ def _linearize(args):
 
 
 def _export(args):
-    import linjax
-    from linjax.convert.hf import check_export_directory
-
     check_export_directory(args.out, source=args.source)  # before the slow load
     model, tokenizer = linjax.load(args.source)
     out = linjax.save_hf(model, args.out, tokenizer)
@@ -190,11 +137,6 @@ def _export(args):
 
 
 def _generate(args):
-    import jax.numpy as jnp
-
-    import linjax
-    from linjax.generate import generate
-
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     if tokenizer is None:
         raise ValueError(f"{args.source} has no tokenizer files; save one next to the weights")
@@ -231,9 +173,6 @@ def _reraised_by_orbax(record) -> bool:
 
 
 def _train(args):
-    from linjax import train
-    from linjax.train.sharding import maybe_initialize_distributed
-
     maybe_initialize_distributed()
     config = train.load_experiment(args.config, args.set, args.include)
     absl_logger = logging.getLogger("absl")
@@ -259,16 +198,12 @@ def _train(args):
 
 
 def _run(args):
-    from linjax import pipeline, train
-
     config = train.load_experiment(args.config, args.set, args.include)
     report = pipeline.run(config, watchdog_seconds=args.watchdog)
     print(f"report → {report}")
 
 
 def _bench_latency(args):
-    from linjax.eval import latency
-
     latency.main(args)
 
 
@@ -283,14 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("linearize", help="replace attention with a linear mechanism (untrained) and save")
+    p = sub.add_parser("linearize", help="replace attention with a linear mechanism (untrained) and save",
+                       description="Each setting is a field of linjax.LinearizeConfig, which documents it.")
     p.add_argument("source")
-    p.add_argument("--mechanism", default="gdn", help="gla | kgla | gdn | gdn_scalar | hedgehog")
-    p.add_argument("--window", type=non_negative_int, default=56)
-    p.add_argument("--sinks", type=non_negative_int, default=8)
-    p.add_argument("--combine", default="sum", help="sum (the paper) | mixed (Liger's 0.5/0.5)")
-    p.add_argument("--adapter", default="none", help="none | shortconv | lora")
-    p.add_argument("--keep-full-attention", default="", help="layer indices '0,5' or a fraction '0.2'")
+    add_linearize_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -332,16 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=_generate)
 
-    from linjax.eval.cli import add_eval_parser
-    from linjax.eval.latency import add_arguments as add_latency_arguments
-
     add_eval_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks that write JSON, a Markdown table and a plot")
     benches = p.add_subparsers(dest="benchmark", required=True)
     p = benches.add_parser("latency", help="decode latency and peak memory against prompt length, full attention "
                                            "vs linearized (the paper's protocol: batch 8, 16 decode steps)")
-    add_latency_arguments(p)
+    latency.add_arguments(p)
     p.set_defaults(func=_bench_latency)
     return parser
 

@@ -25,7 +25,14 @@ import json
 import os
 import time
 
-from linjax import watchdog
+import linjax
+from linjax import train, watchdog
+from linjax.eval import approx, lm_eval_bridge, ruler
+from linjax.eval.data import data_dir, data_file
+from linjax.eval.perplexity import perplexity, token_windows
+from linjax.eval.report import write_report
+from linjax.files import write_json
+from linjax.train.config import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
 
@@ -43,8 +50,6 @@ STAGE_SETTINGS = {"convert": ("model",), "train": _TRAINED,
 def stage_settings(config, stage: str, wanted=STAGES) -> dict:
     """The flat settings {"train.lr": ...} that `stage`'s result depends on; the report's are those of
     every stage it summarises (`wanted`), and which stages those are."""
-    from linjax.train.config import OPERATIONAL, flat_settings, matches
-
     flat = flat_settings(config.to_dict())
     if stage == "report":
         names = tuple(p for s in wanted if s != "report" for p in STAGE_SETTINGS[s])
@@ -54,8 +59,6 @@ def stage_settings(config, stage: str, wanted=STAGES) -> dict:
 
 
 def _operational(key: str, operational) -> bool:
-    from linjax.train.config import matches
-
     # eval settings are operational for training, not for the stage that evaluates; steps never here
     return key != "train.steps" and not key.startswith("eval.") and matches(key, operational)
 
@@ -69,8 +72,6 @@ def finished_stages(run_dir: str) -> list[str]:
 
 
 def _record(run_dir: str, stage: str, result: dict) -> None:
-    from linjax.eval.cli import write_json
-
     write_json(_stage_path(run_dir, stage), result)
 
 
@@ -82,8 +83,6 @@ def _skipped(reason: str) -> dict:
 
 
 def _convert(config, run_dir):
-    import linjax
-
     model, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
     if tokenizer is None:
         raise ValueError(f"{config.model.source} has no tokenizer; `linjax run` needs one to read text")
@@ -93,8 +92,6 @@ def _convert(config, run_dir):
 
 
 def _train(config, run_dir):
-    from linjax import train
-
     resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
     train.run(config, resume=resume)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -106,10 +103,6 @@ def _train(config, run_dir):
 
 
 def _perplexity(config, run_dir):
-    import linjax
-    from linjax.eval.data import data_file
-    from linjax.eval.perplexity import perplexity, token_windows
-
     ec = config.eval
     path = ec.perplexity_data or data_file("wikitext", "wikitext-2-raw-v1.test.nonblank.raw")
     if path is None or not os.path.exists(path):
@@ -126,9 +119,6 @@ def _perplexity(config, run_dir):
 
 
 def _approx(config, run_dir):
-    from linjax.eval import approx
-    from linjax.eval.data import data_file
-
     ec = config.eval
     path = ec.approx_data or data_file("alpaca", "alpaca_data_cleaned_first5k.json")
     if path is None or not os.path.exists(path):
@@ -139,9 +129,6 @@ def _approx(config, run_dir):
 
 
 def _lm_eval(config, run_dir):
-    from linjax.eval import lm_eval_bridge
-    from linjax.eval.data import data_dir
-
     ec = config.eval
     local = ec.lm_eval_data_dir or data_dir()
     if local is None:
@@ -156,8 +143,6 @@ def _lm_eval(config, run_dir):
 
 
 def _ruler(config, run_dir):
-    from linjax.eval import ruler
-
     ec, lin = config.eval, config.linearize
     common = dict(tasks=list(ec.ruler_tasks), lengths=list(ec.ruler_lengths), samples=ec.ruler_samples)
     budgets = list(ec.ruler_budgets) or None
@@ -175,8 +160,6 @@ def _ruler(config, run_dir):
 
 
 def _report(config, run_dir):
-    from linjax.eval.report import write_report
-
     path = write_report(config, run_dir, {s: _load_stage(run_dir, s) for s in STAGES[:-1]})
     return {"report": path}
 
@@ -192,8 +175,6 @@ def _load_stage(run_dir, stage):
 def _check_finished_stages(run_dir: str, wanted: list[str], settings: dict) -> set[str]:
     """The finished stages to skip; a ValueError naming every finished stage whose settings differ
     from the config's now (the report excepted: it is rewritten instead)."""
-    from linjax.train.config import describe_changes, setting_changes
-
     done, refused = set(), []
     for stage in wanted:
         finished = _load_stage(run_dir, stage)

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tomllib
 
+from linjax.files import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DATA = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
@@ -251,10 +253,7 @@ def report():
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
                  f"{fmt(pure.get('nmse_after64'), 3)} | {early} |")
     lines += ablation_lines()
-    path = os.path.join(HERE, "claims.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
+    path = write_text(os.path.join(HERE, "claims.md"), "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
 
 

@@ -15,7 +15,7 @@ A missing input leaves its cells as "not run".
 import json
 import os
 
-from linjax.eval.cli import write_text
+from linjax.files import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -11,7 +11,7 @@ import os
 import shutil
 import statistics
 
-from linjax.eval.cli import write_text
+from linjax.files import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -4,16 +4,15 @@
     linjax.train.run(linjax.train.load_experiment("CONFIG.toml"))
 """
 
+from linjax.train import loop
 from linjax.train.config import ExperimentConfig, load_experiment
 
 
 def run(config, resume: bool = False, progress: bool = True):
     """Trains per `config` (an ExperimentConfig or a TOML path); returns the trained model."""
-    from linjax.train.loop import run as _run
-
     if isinstance(config, str):
         config = load_experiment(config)
-    return _run(config, resume=resume, progress=progress)
+    return loop.run(config, resume=resume, progress=progress)
 
 
 __all__ = ["ExperimentConfig", "load_experiment", "run"]

@@ -17,25 +17,13 @@ in sorted order). A record's text is its `text` field; Alpaca-style records
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
+from linjax.files import read_file_documents, record_text
+
 _SUFFIXES = (".txt", ".jsonl", ".json")
-
-
-def _record_text(record, text_field: str, where: str) -> str:
-    if isinstance(record, str):
-        return record
-    if isinstance(record, dict):
-        if text_field in record:
-            return str(record[text_field])
-        if "instruction" in record and "output" in record:
-            parts = [record["instruction"], record.get("input", ""), record["output"]]
-            return "\n\n".join(p for p in parts if p)
-    raise ValueError(f"{where}: record has no {text_field!r} field (keys: "
-                     f"{sorted(record) if isinstance(record, dict) else type(record).__name__})")
 
 
 def _files(paths) -> list[str]:
@@ -57,23 +45,8 @@ def _files(paths) -> list[str]:
 
 
 def read_documents(paths, text_field: str = "text") -> list[str]:
-    """All documents of the given files and folders, in a fixed order."""
-    documents = []
-    for path in _files(paths):
-        if path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                documents.append(f.read())
-        elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        documents.append(_record_text(json.loads(line), text_field, f"{path}:{n}"))
-        else:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            records = data if isinstance(data, list) else [data]
-            documents.extend(_record_text(r, text_field, path) for r in records)
-    documents = [d for d in documents if d.strip()]
+    """All non-empty documents of the given files and folders, in a fixed order."""
+    documents = [d for path in _files(paths) for d in read_file_documents(path, text_field) if d.strip()]
     if not documents:
         raise ValueError(f"no non-empty documents in {list(paths)}")
     return documents
@@ -95,7 +68,7 @@ class StreamingDocuments:
     """A Hugging Face dataset, streamed; the order is the dataset's shuffle buffer with (seed + epoch)."""
 
     def __init__(self, name: str, config: str | None, split: str, text_field: str, buffer: int):
-        from datasets import load_dataset
+        from datasets import load_dataset  # on use only: it takes over half a second to import
 
         self.dataset = load_dataset(name, config, split=split, streaming=True)
         self.text_field, self.buffer = text_field, buffer
@@ -103,7 +76,7 @@ class StreamingDocuments:
     def iterate(self, seed: int, epoch: int, start: int):
         stream = self.dataset.shuffle(seed=seed + epoch, buffer_size=self.buffer).skip(start)
         for record in stream:
-            yield _record_text(record, self.text_field, "dataset record")
+            yield record_text(record, self.text_field, "dataset record")
 
 
 class PackedTextDataset:

@@ -30,8 +30,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
+import linjax
 from linjax import watchdog
+from linjax.convert.checkpoint import load_trained_parameters, save_trained
+from linjax.files import write_json, write_text
 from linjax.layers import Trainable
 from linjax.train import sharding
 from linjax.train.config import OPERATIONAL, describe_changes, setting_changes
@@ -68,13 +72,6 @@ def make_train_step(graphdef, optimizer, objective: str, mesh):
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated))
 
 
-def _write_json(path: str, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def _truncate_metrics(path: str, last_step: int):
     """Drop metrics logged after the checkpoint a run (re)starts from (all of them when it starts
     from step 0), and a last line that a kill cut short."""
@@ -89,9 +86,7 @@ def _truncate_metrics(path: str, last_step: int):
                 continue
             if record["step"] <= last_step:
                 kept.append(json.dumps(record) + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    write_text(path, "".join(kept))
 
 
 def _run_record(config, run_dir: str, step: int) -> dict:
@@ -123,11 +118,7 @@ def _run_record(config, run_dir: str, step: int) -> dict:
 
 def run(config, resume: bool = False, progress: bool = True):
     """Trains as `config` (an ExperimentConfig) says; returns the trained model."""
-    import orbax.checkpoint as ocp
-    from tqdm.auto import tqdm
-
-    import linjax
-    from linjax.convert.checkpoint import load_trained_parameters, save_trained
+    import orbax.checkpoint as ocp  # on use only: a few tenths of a second that every `linjax` command would pay
 
     tc = config.train
     run_dir = os.path.abspath(config.run_dir)
@@ -149,7 +140,7 @@ def run(config, resume: bool = False, progress: bool = True):
         manager.close()
         raise
     if jax.process_index() == 0:
-        _write_json(os.path.join(run_dir, "config.json"), record)
+        write_json(os.path.join(run_dir, "config.json"), record)
 
     model, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
     if tokenizer is None:
