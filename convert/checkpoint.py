@@ -102,7 +102,8 @@ def trained_model(base: CausalLM, directory: str, manifest: dict) -> CausalLM:
 
 def _restore_trainable(model: CausalLM, directory: str) -> None:
     target = _on_this_process(nnx.state(model, Trainable))
-    nnx.update(model, _checkpointer().restore(os.path.join(directory, "trainable"), target))
+    # orbax takes absolute paths only; a run directory is often given relative to the working directory.
+    nnx.update(model, _checkpointer().restore(os.path.join(os.path.abspath(directory), "trainable"), target))
 
 
 def load_trained_parameters(model: CausalLM, directory: str) -> None:

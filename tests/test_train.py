@@ -74,12 +74,18 @@ def test_frozen_weights_stay_bit_identical_and_adam_keeps_two_moments(tiny_sourc
     assert jax.tree.structure(new_state) == jax.tree.structure(optimizer.init(new_trainable))
 
 
-def test_trained_run_directory_restores_with_load(tiny_source, corpus, tmp_path):
+def test_trained_run_directory_restores_with_load(tiny_source, corpus, tmp_path, monkeypatch):
     config = experiment(tmp_path / "run", tiny_source, corpus, steps=2)
     trained = train.run(config, progress=False)
     restored, tokenizer = linjax.load(str(tmp_path / "run"))
     assert tokenizer is not None and restored.linearize_config == config.linearize
     for a, b in zip(jax.tree.leaves(nnx.state(restored)), jax.tree.leaves(nnx.state(trained))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # A run directory relative to the working directory, as `linjax eval ... runs/x` passes it
+    # (orbax itself takes absolute paths only).
+    monkeypatch.chdir(tmp_path)
+    relative, _ = linjax.load("run")
+    for a, b in zip(jax.tree.leaves(nnx.state(relative)), jax.tree.leaves(nnx.state(trained))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2] and all("loss" in r and "lr" in r for r in records)
