@@ -40,9 +40,11 @@ WINDOWS = ((0, 0), (64, 0), (56, 8))
 TOLERANCE = 1e-4
 # SmolLM2-135M: 30 layers, logits up to ~36. The same code and versions give a max abs difference of
 # 6.8e-5 on an AMD EPYC (AVX2) and 1.25e-4 on an Intel Xeon (AVX-512): both frameworks' fp32 matmuls
-# round in the order their CPU kernels block the sums. The bound keeps a 2x margin over the worst seen
-# (relative to the logit scale: 7e-6); the 20 greedy tokens must still be identical.
-SMOLLM2_TOLERANCE = 2.5e-4
+# round in the order their CPU kernels block the sums. On that Xeon the same commit gave 1.25e-4 run
+# alone and 2.65e-4 inside the full suite (xdist workers sharing one XLA compilation cache), with the
+# same 20 greedy tokens. The bound keeps about a 2x margin over the worst seen (relative to the logit
+# scale: 1.4e-5); the 20 greedy tokens must still be identical.
+SMOLLM2_TOLERANCE = 5e-4
 SEQUENCE = 150  # longer than the window, so the shifted linear term is exercised
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
