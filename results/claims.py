@@ -148,6 +148,7 @@ def metrics_of(row):
     lam = lam and lam["results"].get("lambada_openai")
     m["lambada_acc"] = 100 * lam["acc,none"] if lam else None
     m["lambada_ppl"] = lam["perplexity,none"] if lam else None
+    m["lambada_acc_stderr"] = 100 * lam["acc_stderr,none"] if lam else None
     niah = _load(os.path.join(out, "niah.json"))
     for r in (niah or {}).get("results", []):
         m[f"{r['task']}@{r['length']}"] = 100 * r["accuracy"]
@@ -194,12 +195,18 @@ def verdict(better, worse, spread):
     ppl_ok = better["ppl"] < worse["ppl"]
     acc = (better.get("lambada_acc"), worse.get("lambada_acc"))
     acc_ok = None if None in acc else acc[0] > acc[1]
+    errors = [e for e in (better.get("lambada_acc_stderr"), worse.get("lambada_acc_stderr")) if e]
+    if acc_ok is not None and errors and abs(acc[0] - acc[1]) <= 2 * max(errors):
+        acc_ok = None  # within two standard errors: LAMBADA does not decide it either way
+        acc_note = " (LAMBADA accuracy within 2 standard errors)"
+    else:
+        acc_note = ""
     if spread is not None and abs(better["ppl"] - worse["ppl"]) <= spread:
         return "within seed spread"
     if ppl_ok and acc_ok is not False:
-        return "holds" if acc_ok else "holds (perplexity; LAMBADA pending)"
+        return "holds" if acc_ok else "holds (perplexity)" + (acc_note or "; LAMBADA pending")
     if not ppl_ok and acc_ok is not True:
-        return "does not hold"
+        return "does not hold" + acc_note
     return "mixed (perplexity and LAMBADA disagree)"
 
 
