@@ -21,7 +21,6 @@ without a GPU unless --smoke.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from linjax.files import write_json, write_text
 from linjax.kernels import gdn, gla
 
 SIZES = dict(B=4, H=16, D=128, lengths=(1024, 4096, 16384), dtype="bfloat16")
@@ -162,13 +162,6 @@ def markdown(report):
     return "\n".join(lines) + "\n"
 
 
-def write_atomically(path, text):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
 def main(argv=None):
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
@@ -180,8 +173,8 @@ def main(argv=None):
     report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__,
                   python=platform.python_version(), config={**config, "lengths": list(config["lengths"])},
                   repeats=args.repeats, rows=rows)
-    write_atomically(args.out, json.dumps(report, indent=1))
-    write_atomically(os.path.splitext(args.out)[0] + ".md", markdown(report))
+    write_json(args.out, report)
+    write_text(os.path.splitext(args.out)[0] + ".md", markdown(report))
     print(markdown(report))
 
 
