@@ -32,9 +32,9 @@ from linjax.kernels.pallas_common import default_interpret, with_chunked_backwar
 
 __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "PALLAS_CHUNK"]
 
-# Default chunk of `chunked`: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took 0.71 s
-# with 32, 0.78 s with 64 and 0.86 s with 16: the 64-wide block inverse and decay tree cost more than
-# the shorter scan over chunks saves.
+# Default chunk of `chunked`: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took 0.66 s
+# with 32, 0.72 s with 64 and 0.69 s with 16 (forward 0.21, 0.25, 0.19 s): the 64-wide block inverse
+# and decay tree cost more than the shorter scan over chunks saves.
 CHUNK = 32
 # Default chunk of `pallas`: that measurement does not carry over, since the kernel solves each chunk
 # in 16-token sub-chunks with the state held in registers, and a longer chunk means fewer serial
@@ -155,7 +155,8 @@ def _merge(prev, cross):
 
 def _intra_chunk(q, k, beta, factors):
     """A^{qk} = tril(Q Kᵀ ⊙ decay) and T⁻¹ = (I + Diag(β) tril₋₁(K Kᵀ ⊙ decay))⁻¹, [..., C, C],
-    from the level factors [..., L, C, Dg] = exp(segment sums): the recursive halving above.
+    from the level factors, a list of L arrays [..., C, Dg] = exp(segment sums): the recursive
+    halving above.
 
     T⁻¹ is built in the same pass by 2×2 block inversion of a unit lower-triangular matrix,
         [[P, 0], [X, R]]⁻¹ = [[P⁻¹, 0], [−R⁻¹ X P⁻¹, R⁻¹]],
@@ -165,9 +166,8 @@ def _intra_chunk(q, k, beta, factors):
     a_qk = jnp.sum(q * k, axis=-1)[..., None, None]          # [..., C, 1, 1]: decay 1 on the diagonal
     t_inv = jnp.ones_like(a_qk)                               # 1 × 1 blocks of a unit diagonal
     C = q.shape[-2]
-    for level in range(factors.shape[-3]):
+    for level, f in enumerate(factors):
         h = 2 ** level
-        f = factors[..., level, :, :]
         split = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
         qf, kf = split(q * f), split(k * f)
         lower = kf[..., 0, :, :]                               # e^{G_m − G_j} k_j
@@ -201,30 +201,32 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
         return jnp.moveaxis(x, 3, 1)
 
     q32, k32, v32, la, beta32 = map(blocks, (q32, k32, v32, la, beta32))
+    # One [C, C] 0/1 matrix per segment-sum level, applied as a product batched over (B, H, N): the
+    # result keeps Dg minor, the layout every consumer reads. (One einsum over all levels at once puts
+    # the level and position axes minor, and XLA:CPU then re-transposes it inside each consumer.)
     M = jnp.asarray(_segment_matrices(C))
-    factors = jnp.exp(jnp.einsum("lct,bhntg->bhnlcg", M, la))  # [B,H,N,L+2,C,Dg], all ≤ 1
-    tree, from_start, to_end = factors[..., :-2, :, :], factors[..., -2, :, :], factors[..., -1, :, :]
+    factors = [jnp.exp(jnp.broadcast_to(m, (*la.shape[:-2], C, C)) @ la) for m in M]  # [B,H,N,C,Dg], ≤ 1
+    tree, from_start, to_end = factors[:-2], factors[-2], factors[-1]
 
     a_qk, t_inv = _intra_chunk(q32, k32, beta32, tree)    # T = I + Diag(β) tril₋₁(A), [B,H,N,C,C]
     t_inv = t_inv * beta32[..., None, :]                   # T⁻¹Diag(β): then W and Ũ are two matmuls
-    w = jnp.einsum("bhnij,bhnjk->bhnik", t_inv, k32 * from_start)      # W [B,H,N,C,Dk]
-    u_tilde = jnp.einsum("bhnij,bhnjv->bhniv", t_inv, v32)              # Ũ [B,H,N,C,Dv]
-    k_out = k32 * to_end                                   # k_j ⊙ e^{G_C − G_j}
+    w = t_inv @ (k32 * from_start)                         # W [B,H,N,C,Dk]
+    u_tilde = t_inv @ v32                                  # Ũ [B,H,N,C,Dv]
+    k_out_t = jnp.swapaxes(k32 * to_end, -1, -2)           # (k_j ⊙ e^{G_C − G_j})ᵀ [B,H,N,Dk,C]
     decay = from_start[..., -1, :]                         # Γ_C [B,H,N,Dg]
+    q_in = q32 * from_start                                # q_i ⊙ Γ_i
 
+    # The outputs are formed inside the scan, so it hands back o [C, Dv] per chunk rather than
+    # the [Dk, Dv] state each chunk starts from (stacking those states cost as much as the scan).
     def chunk_step(S, x):
-        w, u_tilde, k_out, decay = x
-        u = u_tilde - jnp.einsum("bhck,bhkv->bhcv", w, S)
-        S_next = decay[..., None] * S + jnp.einsum("bhck,bhcv->bhkv", k_out, u)
-        return S_next, (S, u)
+        w, u_tilde, k_out_t, decay, q_in, a_qk = x
+        u = u_tilde - w @ S
+        o = q_in @ S + a_qk @ u
+        return decay[..., None] * S + k_out_t @ u, o
 
     along_n = lambda x: jnp.moveaxis(x, 2, 0)
-    S_final, (S_start, u) = jax.lax.scan(chunk_step, S0, tuple(map(along_n, (w, u_tilde, k_out, decay))))
-    S_start, u = jnp.moveaxis(S_start, 0, 2), jnp.moveaxis(u, 0, 2)
-
-    o = (jnp.einsum("bhnck,bhnkv->bhncv", q32 * from_start, S_start)
-         + jnp.einsum("bhnij,bhnjv->bhniv", a_qk, u)) * scale
-    o = jnp.moveaxis(o, 1, 3).reshape(B, N * C, H, -1)[:, :T]
+    S_final, o = jax.lax.scan(chunk_step, S0, tuple(map(along_n, (w, u_tilde, k_out_t, decay, q_in, a_qk))))
+    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, -1)[:, :T] * scale   # [N,B,H,C,Dv] -> [B,T,H,Dv]
     return o.astype(v.dtype), S_final
 
 
