@@ -2,7 +2,7 @@
 
     python bench/kernels.py            # full: D ∈ {64, 128}, T ∈ {512 … 16384}
     python bench/kernels.py --quick    # D = 64, T ∈ {512, 1024}
-    python bench/kernels.py --targets  # GDN and SDPA at D = 128, T ∈ {1024, 4096, 16384}
+    python bench/kernels.py --targets  # GDN, GLA and SDPA at D = 128, T ∈ {1024, 4096, 16384}
     python bench/kernels.py --gpu      # on a GPU machine: Pallas vs XLA, cuDNN, FLA (bench/kernels_gpu.py)
 
 Times the forward and the forward+backward of GDN (Kimi form, per-channel
@@ -25,15 +25,14 @@ CPU they only run in the interpreter.
 
 GFLOP/s use nominal FLOP counts (see `flops`), the same count for every
 implementation of one mechanism, next to the fp32 matmul rate measured
-with jnp at the start. Prints a Markdown table; writes JSON (default
-results/bench/kernels.json).
+with jnp at the start. Prints a Markdown table; writes it and the JSON
+(default results/bench/kernels.json and .md beside it), atomically.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -42,7 +41,6 @@ import sys
 import time
 
 LIMIT_S = 60.0
-CHUNK = 64
 TORCH_METHODS = {"torch SDPA", "FLA naive_chunk_kda", "FLA naive_recurrent_gla"}
 
 
@@ -51,7 +49,7 @@ def parse_args():
     p.add_argument("--gpu", action="store_true", help="run the GPU benchmark instead (bench/kernels_gpu.py)")
     p.add_argument("--quick", action="store_true", help="D = 64, T ∈ {512, 1024} only")
     p.add_argument("--targets", action="store_true",
-                   help="only what the speed targets need: GDN and SDPA, D = 128, T ∈ {1024, 4096, 16384}")
+                   help="only what the speed targets need: GDN, GLA and SDPA, D = 128, T ∈ {1024, 4096, 16384}")
     p.add_argument("--out", default="results/bench/kernels.json", help="JSON results path")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for torch and XLA (default: all cores)")
@@ -64,6 +62,10 @@ if "--gpu" in sys.argv[1:]:  # the GPU benchmark is its own script; forward to i
 
     kernels_gpu.main([a for a in sys.argv[1:] if a != "--gpu"])
     sys.exit()
+from linjax.hugepages import reexec_with_huge_pages  # noqa: E402
+
+if __name__ == "__main__":  # measured with huge pages for XLA's buffers, as the `linjax` command runs
+    reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
 ARGS = parse_args()
 # XLA's CPU client sizes its thread pool from the visible cores; restrict both
 # frameworks to the same cores so the comparison is fair.
@@ -75,6 +77,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from linjax.files import write_json, write_text  # noqa: E402
 from linjax.kernels import gdn, gla  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
@@ -130,8 +133,9 @@ def flops(mech, T, D, H=8):
     """Nominal forward FLOPs (B = 1). Chunked linear attention with chunk C per
     token and head: q·S and the state update 4·D², intra-chunk QKᵀ and A·V
     2·C·2D; GDN adds K·Kᵀ (2·C·D), (K⊙Γ)·S (2·D²) and the triangular solve
-    (C·D). Causal softmax: 2·T²·D per head. Backward counted as 2× forward."""
-    C = CHUNK
+    (C·D). Causal softmax: 2·T²·D per head. Backward counted as 2× forward. C is the
+    chunk each kernel uses by default (gdn.CHUNK, gla.CHUNK)."""
+    C = gdn.CHUNK if mech == "gdn" else gla.CHUNK
     per_token = {"gla": 4 * D * D + 4 * C * D,
                  "gdn": 6 * D * D + 6 * C * D + C * D}
     if mech == "softmax":
@@ -241,7 +245,7 @@ def main():
     Ds = [64] if ARGS.quick else [128] if ARGS.targets else [64, 128]
     Ts = ([512, 1024] if ARGS.quick else [1024, 4096, 16384] if ARGS.targets
           else [512, 1024, 2048, 4096, 8192, 16384])
-    mechs = ["gdn", "softmax"] if ARGS.targets else ["gdn", "gla", "softmax"]
+    mechs = ["gdn", "gla", "softmax"]
     peak = matmul_gflops()
     machine = {"cpu_count": os.cpu_count(), "threads": ARGS.threads,
                "processor": platform.processor() or platform.machine(),
@@ -255,7 +259,7 @@ def main():
     plan = [(mech, D, name, build, memory)
             for mech in mechs for D in Ds
             for name, (build, memory) in methods(mech, D).items()
-            if not (ARGS.targets and name == "XLA attention")]
+            if not (ARGS.targets and name in ("XLA attention", "FLA naive_recurrent_gla"))]
     plan.sort(key=lambda p: p[2] in TORCH_METHODS)
     rows = []
     for mech, D, name, build, memory in plan:
@@ -291,9 +295,9 @@ def measure_row(mech, D, name, build, memory, T, history):
 
 
 def save(report):
-    os.makedirs(os.path.dirname(ARGS.out) or ".", exist_ok=True)
-    with open(ARGS.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(ARGS.out, report)
+    if "targets" in report:
+        write_text(os.path.splitext(ARGS.out)[0] + ".md", markdown(report) + "\n")
 
 
 def lookup(rows, mech, impl, D, T, mode):
@@ -321,6 +325,10 @@ def targets(rows):
             ratio(g("linjax reference", 4096, "fwd+bwd"), g("linjax chunked", 4096, "fwd+bwd")),
         "chunked GDN fwd time(16384) / time(1024) (≤ 20)":
             ratio(g("linjax chunked", 16384), g("linjax chunked", 1024)),
+        "chunked GDN / chunked GLA, fwd at T=4096 (≥ 1: GLA at least as fast)":
+            ratio(g("linjax chunked", 4096), g("linjax chunked", 4096, mech="gla")),
+        "chunked GDN / chunked GLA, fwd+bwd at T=4096 (≥ 1)":
+            ratio(g("linjax chunked", 4096, "fwd+bwd"), g("linjax chunked", 4096, "fwd+bwd", mech="gla")),
     }
     return out
 

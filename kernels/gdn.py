@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linjax.kernels import gdn_pallas
+from linjax.kernels import decay, gdn_pallas
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
 from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
@@ -114,76 +114,8 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 #     U = Ũ − W S_0,   S_C = Diag(Γ_C) S_0 + (K ⊙ e^{G_C − G})ᵀ U,
 # and outputs are o = scale·[(Q⊙Γ) S_0 + tril(A^{qk}) U], A^{qk}_ij = Σ_d q_id k_jd e^{G_id − G_jd}.
 #
-# Decays are never formed as e^{−G}: every exponent is a segment sum Σ_{t∈(a,b]} log α_t ≤ 0,
-# computed directly by a 0/1 matrix product (not as a difference of two cumulative sums, which
-# loses the small exponents next to a −1000 reset). The [C,C,Dk] decay of A is never built either:
-# A's lower triangle is split recursively into halves, and the off-diagonal block of each pair of
-# halves factors exactly through the boundary m between them,
-#     e^{G_i − G_j} = e^{G_i − G_m} · e^{G_m − G_j},   i > m ≥ j,   both factors ≤ 1,
-# so each of the log2(C) levels costs one exp per element of q/k plus small matmuls.
-
-
-def _segment_matrices(C: int) -> np.ndarray:
-    """0/1 matrices M [L+2, C, C] such that (M[l] @ log α)[p] is the exponent at position p:
-    for the tree levels (half size h = 1, 2, ..., C/2) the sum between p and its block's
-    boundary m, then Σ_{t≤p} (decay from the chunk start) and Σ_{t>p} (decay to the chunk end)."""
-    levels = []
-    p = np.arange(C)
-    t = np.arange(C)
-    h = 1
-    while h < C:
-        m = (p // (2 * h)) * 2 * h + h - 1                      # last position of the lower half
-        upper = (p % (2 * h)) >= h
-        into = upper[:, None] & (t > m[:, None]) & (t <= p[:, None])      # Σ_{t∈(m,p]}
-        out_of = ~upper[:, None] & (t > p[:, None]) & (t <= m[:, None])   # Σ_{t∈(p,m]}
-        levels.append(into | out_of)
-        h *= 2
-    levels.append(t[None, :] <= p[:, None])
-    levels.append(t[None, :] > p[:, None])
-    return np.stack(levels).astype(np.float32)
-
-
-def _merge(prev, cross):
-    """Blocks [..., 2n, h, h] (diagonal) and [..., n, h, h] (lower-left) -> [..., n, 2h, 2h]."""
-    n, h = cross.shape[-3], cross.shape[-1]
-    prev = prev.reshape(*prev.shape[:-3], n, 2, h, h)
-    zero = jnp.zeros_like(cross)
-    top = jnp.concatenate([prev[..., 0, :, :], zero], axis=-1)
-    bottom = jnp.concatenate([cross, prev[..., 1, :, :]], axis=-1)
-    return jnp.concatenate([top, bottom], axis=-2)
-
-
-def _intra_chunk(q, k, beta, factors):
-    """A^{qk} = tril(Q Kᵀ ⊙ decay) and T⁻¹ = (I + Diag(β) tril₋₁(K Kᵀ ⊙ decay))⁻¹, [..., C, C],
-    from the level factors, a list of L arrays [..., C, Dg] = exp(segment sums): the recursive
-    halving above.
-
-    T⁻¹ is built in the same pass by 2×2 block inversion of a unit lower-triangular matrix,
-        [[P, 0], [X, R]]⁻¹ = [[P⁻¹, 0], [−R⁻¹ X P⁻¹, R⁻¹]],
-    merging the inverses of the two halves with the cross block X of the same level. That is
-    forward substitution in blocks, as exact, using matrix products only: no LAPACK call, whose
-    XLA:CPU kernel can deadlock the worker pool it shares with other ops (issue 15)."""
-    a_qk = jnp.sum(q * k, axis=-1)[..., None, None]          # [..., C, 1, 1]: decay 1 on the diagonal
-    t_inv = jnp.ones_like(a_qk)                               # 1 × 1 blocks of a unit diagonal
-    C = q.shape[-2]
-    for level, f in enumerate(factors):
-        h = 2 ** level
-        split = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
-        qf, kf = split(q * f), split(k * f)
-        lower = kf[..., 0, :, :]                               # e^{G_m − G_j} k_j
-        a_qk = _merge(a_qk, jnp.einsum("...nid,...njd->...nij", qf[..., 1, :, :], lower))
-        cross = split(beta[..., None])[..., 1, :, :] * jnp.einsum("...nid,...njd->...nij",
-                                                                  kf[..., 1, :, :], lower)
-        halves = t_inv.reshape(*t_inv.shape[:-3], C // (2 * h), 2, h, h)
-        first, second = halves[..., 0, :, :], halves[..., 1, :, :]
-        t_inv = _merge(t_inv, -(second @ cross @ first))
-    return a_qk[..., 0, :, :], t_inv[..., 0, :, :]
-
-
-def _chunk_size(chunk: int, T: int) -> int:
-    if chunk < 1 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two; got {chunk}")
-    return min(chunk, 1 << max(T - 1, 0).bit_length())      # short inputs: smallest fitting chunk
+# The decays inside a chunk (Γ, e^{G_C − G}, and the decayed scores A^{qk} and A with T⁻¹) come
+# from decay.py, exact at any gate.
 
 
 def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK):
@@ -192,7 +124,7 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
     log α = 0, which leaves the state unchanged). Memory is linear in T."""
     q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
     B, T, H, Dk = q.shape
-    C = _chunk_size(chunk, T)
+    C = decay.chunk_length(chunk, T)
     N = -(-T // C)
 
     def blocks(x):  # [B,T,H,...] -> [B,H,N,C,...], zero-padded in time
@@ -201,31 +133,25 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
         return jnp.moveaxis(x, 3, 1)
 
     q32, k32, v32, la, beta32 = map(blocks, (q32, k32, v32, la, beta32))
-    # One [C, C] 0/1 matrix per segment-sum level, applied as a product batched over (B, H, N): the
-    # result keeps Dg minor, the layout every consumer reads. (One einsum over all levels at once puts
-    # the level and position axes minor, and XLA:CPU then re-transposes it inside each consumer.)
-    M = jnp.asarray(_segment_matrices(C))
-    factors = [jnp.exp(jnp.broadcast_to(m, (*la.shape[:-2], C, C)) @ la) for m in M]  # [B,H,N,C,Dg], ≤ 1
-    tree, from_start, to_end = factors[:-2], factors[-2], factors[-1]
-
-    a_qk, t_inv = _intra_chunk(q32, k32, beta32, tree)    # T = I + Diag(β) tril₋₁(A), [B,H,N,C,C]
+    tree, from_start, to_end = decay.chunk_factors(la)    # [B,H,N,C,Dg] each, all ≤ 1
+    a_qk, t_inv = decay.causal_scores(q32, k32, tree, beta32)   # A^{qk} and T⁻¹, [B,H,N,C,C]
     t_inv = t_inv * beta32[..., None, :]                   # T⁻¹Diag(β): then W and Ũ are two matmuls
     w = t_inv @ (k32 * from_start)                         # W [B,H,N,C,Dk]
     u_tilde = t_inv @ v32                                  # Ũ [B,H,N,C,Dv]
     k_out_t = jnp.swapaxes(k32 * to_end, -1, -2)           # (k_j ⊙ e^{G_C − G_j})ᵀ [B,H,N,Dk,C]
-    decay = from_start[..., -1, :]                         # Γ_C [B,H,N,Dg]
+    chunk_decay = from_start[..., -1, :]                   # Γ_C [B,H,N,Dg]
     q_in = q32 * from_start                                # q_i ⊙ Γ_i
 
     # The outputs are formed inside the scan, so it hands back o [C, Dv] per chunk rather than
     # the [Dk, Dv] state each chunk starts from (stacking those states cost as much as the scan).
     def chunk_step(S, x):
-        w, u_tilde, k_out_t, decay, q_in, a_qk = x
+        w, u_tilde, k_out_t, chunk_decay, q_in, a_qk = x
         u = u_tilde - w @ S
         o = q_in @ S + a_qk @ u
-        return decay[..., None] * S + k_out_t @ u, o
+        return chunk_decay[..., None] * S + k_out_t @ u, o
 
     along_n = lambda x: jnp.moveaxis(x, 2, 0)
-    S_final, o = jax.lax.scan(chunk_step, S0, tuple(map(along_n, (w, u_tilde, k_out_t, decay, q_in, a_qk))))
+    S_final, o = jax.lax.scan(chunk_step, S0, tuple(map(along_n, (w, u_tilde, k_out_t, chunk_decay, q_in, a_qk))))
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, -1)[:, :T] * scale   # [N,B,H,C,Dv] -> [B,T,H,Dv]
     return o.astype(v.dtype), S_final
 

@@ -90,7 +90,7 @@ def step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=KEY_GATE_FLO
 # ------------------------------------------------------------------ Pallas (GPU)
 
 
-def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK,
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK,
            floor=KEY_GATE_FLOOR, interpret=None):
     """`chunked` with the GLA Pallas kernel on the combined log-gate (gla.pallas; its
     backward recomputes through gla.chunked, and the gate's own gradient is plain autodiff)."""

@@ -11,7 +11,7 @@ both sums, the normaliser's z beside S:
     reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10) -> (out, state)
     chunked(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10) -> (out, state)
     step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10) -> (out, new_state)
-    pallas(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10,
+    pallas(q, k, v, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK, normalize=True, eps=1e-10,
            interpret=None) -> (out, state)
 
 Like every kernel, two results; the first is a `NormalizedOutput(o, normaliser)`
@@ -94,7 +94,7 @@ def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
 # ------------------------------------------------------------------ Pallas (GPU)
 
 
-def pallas(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10,
+def pallas(q, k, v, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK, normalize=True, eps=1e-10,
            interpret=None):
     """`chunked` with the GLA Pallas kernel on zero gates and [v, 1] (gla.pallas; its backward
     recomputes through gla.chunked). Run in fp32 so the normaliser is not rounded to v's dtype."""
