@@ -7,7 +7,7 @@ softmax attention and, where installed, FLA's Triton kernels.
 For GDN (Kimi form, per-channel gate) and GLA at B 4, H 16, D 128, T ∈ {1,024, 4,096, 16,384},
 in bfloat16 (the dtype GPU training uses), the forward and the forward + backward of:
 
-    linjax pallas        kernels.<mech>.pallas, compiled (its backward recomputes through `chunked`)
+    linjax pallas        kernels.<mech>.pallas, compiled (forward and backward Pallas kernels)
     linjax chunked       kernels.<mech>.chunked, the pure-JAX form, as XLA compiles it
     softmax cuDNN / XLA  jax.nn.dot_product_attention(is_causal=True), the quadratic baseline
     FLA chunk_kda / chunk_gla   flash-linear-attention's Triton kernels through PyTorch, if importable

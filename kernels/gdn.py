@@ -14,7 +14,7 @@ Functions (ARCHITECTURE.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.
-    pallas     the same as `chunked` as one Pallas (GPU) kernel, gdn_pallas.py.
+    pallas     the same as `chunked` as Pallas (GPU) kernels: forward gdn_pallas.py, backward gdn_pallas_backward.py.
 All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 """
 
@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linjax.kernels import decay, gdn_pallas
+from linjax.kernels import decay, gdn_pallas_backward
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+from linjax.kernels.pallas_common import default_interpret
 
 __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "PALLAS_CHUNK"]
 
@@ -160,15 +160,15 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
 
 
 def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` as one Pallas (Triton) kernel, see gdn_pallas.py; same arguments and results
-    (per-channel or scalar gate).
+    """`chunked` as Pallas (Triton) kernels; same arguments and results (per-channel or
+    scalar gate).
 
-    Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
-    (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
-    the default backend is CPU."""
+    Forward: one kernel (gdn_pallas.py). Backward: a `jax.custom_vjp` whose backward is
+    two more kernels (gdn_pallas_backward.py: a state recompute, then a reverse chunk loop)
+    giving the gradients of q, k, v, log_alpha, beta and the initial state; only the sums
+    over Dv blocks and GQA groups (and over Dk for a scalar gate) are plain JAX.
+    interpret=None runs the Pallas interpreter when the default backend is CPU."""
     interpret = default_interpret(interpret)
-    kernel = lambda *a: gdn_pallas.forward(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk,
-                                          interpret=interpret)
-    spec = lambda *a: chunked(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk)
-    o, state = with_chunked_backward(kernel, spec, q, k, v, log_alpha, beta, initial_state)
+    o, state = gdn_pallas_backward.differentiable_forward(q, k, v, log_alpha, beta, initial_state, scale=scale,
+                                                          chunk=chunk, interpret=interpret)
     return o.astype(v.dtype), state

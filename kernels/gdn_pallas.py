@@ -22,6 +22,10 @@ the equations). Columns of S evolve independently, so programs split Dv.
 
 A scalar (per-head) gate is the per-channel gate broadcast over Dk;
 `forward` does that itself.
+
+Gradients: gdn_pallas_backward.py (a state recompute and a reverse chunk loop,
+both Pallas kernels in this layout, reusing `chunk_new_values`), wired up by
+`gdn.pallas`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,22 @@ def unit_lower_inverse(a):
     return lax.fori_loop(1, n, row, eye)
 
 
+def chunk_new_values(k, v, beta, gates: ChunkGates, k_ref, starts, state):
+    """U of one chunk by block forward substitution over its sub-chunks, as a list of
+    [SUB, BV] blocks, and the inverses (I + A_II)⁻¹ of the diagonal blocks of the
+    system (β folded into A), which the backward reuses."""
+    u, inverses = [], []
+    for i in range(len(starts)):
+        # Right-hand side β (v − (k ⊙ Γ) S_0) minus the solved sub-chunks.
+        rhs = beta[i] * (v[i] - matmul(k[i] * jnp.exp(gates.from_start(i)), state))
+        for j in range(i):
+            rhs -= matmul(beta[i] * offdiag_gram(k[i], k[j], gates, i, j), u[j])
+        a_ii = beta[i] * diag_gram(k[i], k_ref, starts[i], gates.log_alpha[i], strict=True)
+        inverses.append(unit_lower_inverse(a_ii))
+        u.append(matmul(inverses[i], rhs))
+    return u, inverses
+
+
 def _gdn_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, ht_ref, *,
                 chunk: int, scale: float):
     n_sub = chunk // SUB
@@ -70,18 +90,9 @@ def _gdn_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h0_ref, o_ref, ht_ref, *,
         beta = [load_rows(beta_ref, s, SUB)[:, None] for s in starts]
         gates = ChunkGates([load_rows(g_ref, s, SUB) for s in starts])
 
-        u = []
+        u, _ = chunk_new_values(k, v, beta, gates, k_ref, starts, state)
         for i in range(n_sub):
-            decay_i = jnp.exp(gates.from_start(i))
-            # Right-hand side β (v − (k ⊙ Γ) S_0) minus the solved sub-chunks.
-            rhs = beta[i] * (v[i] - matmul(k[i] * decay_i, state))
-            for j in range(i):
-                rhs -= matmul(beta[i] * offdiag_gram(k[i], k[j], gates, i, j), u[j])
-            a_ii = beta[i] * diag_gram(k[i], k_ref, starts[i], gates.log_alpha[i],
-                                       strict=True)
-            u.append(matmul(unit_lower_inverse(a_ii), rhs))
-
-            acc = matmul(q[i] * decay_i, state)
+            acc = matmul(q[i] * jnp.exp(gates.from_start(i)), state)
             for j in range(i):
                 acc += matmul(offdiag_gram(q[i], k[j], gates, i, j), u[j])
             acc += matmul(diag_gram(q[i], k_ref, starts[i], gates.log_alpha[i],
@@ -104,7 +115,8 @@ def forward(q, k, v, log_alpha, beta, *, scale=None, initial_state=None,
     q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk]
     (per-channel log decay, ≤ 0; a scalar gate [B,T,H] is broadcast over Dk),
     beta [B,T,H] in [0, 1], initial_state [B,H,Dk,Dv] fp32 or None. Returns
-    (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32). Forward only.
+    (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32). Not differentiable
+    itself: gdn_pallas_backward.differentiable_forward adds the backward kernels.
     """
     if log_alpha.ndim == 3:  # scalar gate per head: the same decay on every channel
         log_alpha = jnp.broadcast_to(log_alpha[..., None], q.shape)

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linjax.kernels import decay, gla_pallas
+from linjax.kernels import decay, gla_pallas_backward
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+from linjax.kernels.pallas_common import default_interpret
 
 # Default chunk of `chunked` (a power of two). On a 2-core CPU (B=1, H=8, D=128, T=4096) the forward
 # took 0.14 s with 32 and 0.16 s with 64, forward+backward 0.43 s with either.
@@ -158,14 +158,14 @@ def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK):
 
 
 def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` as one Pallas (Triton) kernel, see gla_pallas.py; same arguments and results.
+    """`chunked` as Pallas (Triton) kernels; same arguments and results.
 
-    Differentiable through a `jax.custom_vjp` whose backward recomputes through `chunked`
-    (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter when
+    Forward: one kernel (gla_pallas.py). Backward: a `jax.custom_vjp` whose backward is
+    two more kernels (gla_pallas_backward.py: a state recompute, then a reverse chunk loop)
+    giving the gradients of q, k, v, log_alpha and the initial state; only the sums over
+    Dv blocks and GQA groups are plain JAX. interpret=None runs the Pallas interpreter when
     the default backend is CPU."""
     interpret = default_interpret(interpret)
-    kernel = lambda *a: gla_pallas.forward(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk,
-                                          interpret=interpret)
-    spec = lambda *a: chunked(*a[:-1], initial_state=a[-1], scale=scale, chunk=chunk)
-    o, state = with_chunked_backward(kernel, spec, q, k, v, log_alpha, initial_state)
+    o, state = gla_pallas_backward.differentiable_forward(q, k, v, log_alpha, initial_state, scale=scale,
+                                                          chunk=chunk, interpret=interpret)
     return o.astype(v.dtype), state

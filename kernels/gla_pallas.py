@@ -30,6 +30,9 @@ The wrapper pads T to a multiple of the chunk (zero keys, log α = 0: the
 padded tail leaves the state unchanged) and Dk, Dv to powers of two ≥ 16
 (Triton needs power-of-two tiles and matmul sides ≥ 16); zero channels
 contribute nothing.
+
+Gradients: gla_pallas_backward.py (a state recompute and a reverse chunk loop,
+both Pallas kernels in this layout), wired up by `gla.pallas`.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ def forward(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk,
 
     q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk] (log
     decay, ≤ 0), initial_state [B,H,Dk,Dv] fp32 or None. Returns
-    (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32). Forward only:
-    see `with_chunked_backward` for gradients.
+    (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32). Not differentiable
+    itself: gla_pallas_backward.differentiable_forward adds the backward kernels.
     """
     check_inputs(q, k, v, log_alpha, "log_alpha", initial_state, chunk)
     (_, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]

@@ -93,7 +93,8 @@ def step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=KEY_GATE_FLO
 def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK,
            floor=KEY_GATE_FLOOR, interpret=None):
     """`chunked` with the GLA Pallas kernel on the combined log-gate (gla.pallas; its
-    backward recomputes through gla.chunked, and the gate's own gradient is plain autodiff)."""
+    backward is GLA's Pallas backward kernels, whose log-gate gradient flows into the
+    combined gate, whose own gradient is plain autodiff)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_gates(log_alpha, beta, B, T, H, Dk)
     log_gate = key_log_gate(log_alpha, beta, expand_kv_heads(k, H), floor)

@@ -97,7 +97,7 @@ def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
 def pallas(q, k, v, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK, normalize=True, eps=1e-10,
            interpret=None):
     """`chunked` with the GLA Pallas kernel on zero gates and [v, 1] (gla.pallas; its backward
-    recomputes through gla.chunked). Run in fp32 so the normaliser is not rounded to v's dtype."""
+    is GLA's Pallas backward kernels). Run in fp32 so the normaliser is not rounded to v's dtype."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     no_decay = jnp.zeros((B, T, H, Dk), jnp.float32)

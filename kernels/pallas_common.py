@@ -1,7 +1,9 @@
 """What every Pallas (Triton backend) kernel here shares: input checks, padding to
 tiles, BlockSpecs, launch settings, in-kernel matmuls, the per-chunk gate sums
-and decayed Gram blocks of the GLA and GDN kernels, and the custom_vjp that
-differentiates a forward-only kernel through its `chunked` twin.
+and decayed Gram blocks (and their backward, `diag_pair_grads`) of the GLA and
+GDN kernels, forward (gla_pallas.py, gdn_pallas.py) and backward
+(gla_pallas_backward.py, gdn_pallas_backward.py), and the custom_vjp that
+differentiates a forward-only kernel (SWA's) through its `chunked` twin.
 
 Layout, as in gla_pallas.py and gdn_pallas.py: one program per (batch, query
 head, block of Dv columns), looping over chunks with `lax.fori_loop` and
@@ -181,6 +183,30 @@ def diag_gram(x, y_ref, start, log_alpha, *, strict: bool):
     return lax.fori_loop(0, n, column, jnp.zeros((n, n), jnp.float32))
 
 
+def diag_pair_grads(x, y_ref, start, log_alpha, w, *, strict: bool):
+    """Backward of a diagonal block (`diag_gram`) given the cotangent weights w
+    [n, n] of its entries: dx_i = Σ_j w_ij y_j ⊙ d_ij and dy_j = Σ_i w_ij x_i ⊙ d_ij
+    with d_ij = exp(Σ_{j<t≤i} log α_t) for j ≤ i (j < i if strict), else 0.
+    Built column by column as in `diag_gram` (exponent masked before the exp);
+    column j of w is selected with a mask (values cannot be sliced)."""
+    n = x.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def column(j, acc):
+        dx, dy = acc
+        y_j = y_ref[start + j].astype(jnp.float32)[None, :]
+        w_j = jnp.sum(jnp.where(cols == j, w, 0.0), axis=1)[:, None]
+        keep = rows > j if strict else rows >= j
+        decay = jnp.where(keep, jnp.exp(jnp.cumsum(jnp.where(rows > j, log_alpha, 0.0), axis=0)), 0.0)
+        weighted = w_j * decay  # [n, Dk]
+        dy_j = jnp.sum(weighted * x, axis=0)[None, :]
+        return dx + weighted * y_j, jnp.where(rows == j, dy_j, dy)
+
+    zeros = jnp.zeros_like(x)
+    return lax.fori_loop(0, n, column, (zeros, zeros))
+
+
 def pad_to_tiles(q, k, v, log_alpha, initial_state, chunk: int):
     """Pad T to whole chunks (zeros; log α = 0 keeps the state) and Dk, Dv to
     tile sizes (zero channels add nothing). Returns padded (q, k, v,
@@ -210,10 +236,10 @@ def with_chunked_backward(kernel_forward, chunked_forward, *arrays):
     VJP of `chunked_forward(*arrays)` (same arguments, same results; entries
     of `arrays` may be None, e.g. no initial state).
 
-    The Pallas kernels are forward only; the backward recomputes the forward
-    through the pure-JAX chunked implementation and differentiates that. This
-    is exact (both compute the same function) but not fast: a fused backward
-    kernel is future work. Static options must already be bound (a lambda or
+    For the forward-only Pallas kernels (SWA; GLA and GDN have their own
+    backward kernels): the backward recomputes the forward through the pure-JAX chunked
+    implementation and differentiates that. This is exact (both compute the
+    same function) but not fast. Static options must already be bound (a lambda or
     functools.partial).
     """
 

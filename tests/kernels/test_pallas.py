@@ -1,8 +1,12 @@
 """The Pallas kernels (`<mech>.pallas`, run in the Pallas interpreter on CPU)
 against each mechanism's `reference` recurrence: outputs, final states and
-gradients (the backward recomputes through `chunked`, so the gradient tests
-check the custom_vjp plumbing: cotangent routing, GQA head sums, dtypes,
-a missing initial state).
+gradients. GLA's and GDN's backwards are themselves Pallas kernels
+(gla_pallas_backward.py, gdn_pallas_backward.py), checked input by input
+against `jax.grad` through their `chunked` twins at fp32 precision; kGLA and
+linear attention differentiate through GLA's kernels, SWA's backward
+recomputes through `chunked`. The gradient tests against `reference` check
+the custom_vjp plumbing: cotangent routing, GQA head sums, dtypes, a missing
+initial state.
 
 Interpret-mode compiles cost 1–3 s per kernel shape, so instead of the full
 product T ∈ {1, 15, 64, 200} × Hkv ∈ {1, 2, 4} × D ∈ {16, 64} × initial
@@ -15,11 +19,13 @@ axes appears. T = 1, 15, 64 share one compiled kernel (one padded chunk).
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from linjax.kernels import gdn, gla, kgla, linear_attn, pallas_common, swa
+from linjax.kernels import (gdn, gdn_pallas_backward, gla, gla_pallas_backward, kgla, linear_attn, pallas_common,
+                            swa)
 from tests.helpers import relative_rms
 
 B, H = 2, 4
@@ -166,6 +172,98 @@ def test_gla_backward(case):
     q, k, v, log_alpha, _, h0 = make_inputs(9, *case, "float32")
     fn = lambda m: lambda *a: m(*a[:4], initial_state=a[4])
     check_vjp(fn(gla.pallas), fn(gla.reference), (q, k, v, log_alpha, h0), 10)
+
+
+# The GLA and GDN backward kernels against autodiff through `chunked`, input by
+# input (q, k, v, log α, β, initial state), with random cotangents of o and of
+# the final state: T not a multiple of the chunk, GQA, two Dv blocks (Dv = 128),
+# Dk not a power of two, no initial state, and hard resets (log α = −1000)
+# among gates near −0.01.
+KERNEL_GRAD_TOL = 1e-5
+KERNEL_BACKWARD = [(130, 2, (16, 128), True, "smooth"), (200, 2, 16, True, "resets"),
+                       (70, 2, 24, False, "smooth"), (15, 1, 64, True, "resets")]
+
+
+def gla_gates(log_alpha, kind):
+    if kind == "smooth":
+        return log_alpha
+    near_keep = -0.01 * jnp.exp(log_alpha)  # ≈ −0.01, per channel
+    resets = jax.random.bernoulli(jax.random.PRNGKey(23), 0.15, log_alpha.shape)
+    return jnp.where(resets, -1000.0, near_keep).at[:, 8::16].set(-1000.0)
+
+
+def check_grads_per_input(pallas_fn, chunked_fn, args, seed, tol=KERNEL_GRAD_TOL):
+    out = jax.eval_shape(chunked_fn, *args)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(jax.tree.leaves(out)))
+    leaves = [jax.random.normal(key, o.shape, o.dtype) for key, o in zip(keys, jax.tree.leaves(out))]
+    cotangent = jax.tree.unflatten(jax.tree.structure(out), leaves)
+    got = jax.vjp(pallas_fn, *args)[1](cotangent)
+    want = jax.jit(lambda a, ct: jax.vjp(chunked_fn, *a)[1](ct))(args, cotangent)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g is None) == (w is None), f"input {i}: gradient presence differs"
+        if w is not None:
+            assert np.isfinite(np.asarray(g)).all(), f"input {i}: non-finite gradient"
+            assert_close(g, w, tol, f"gradient of input {i}")
+
+
+@pytest.mark.parametrize("case", KERNEL_BACKWARD, ids=lambda c: "T{}-Hkv{}-D{}-h0{}-{}".format(*c))
+def test_gla_backward_kernel_matches_chunked(case):
+    T, Hkv, D, with_state, gates = case
+    q, k, v, log_alpha, _, h0 = make_inputs(22, T, Hkv, D, with_state, "float32")
+    fn = lambda m: lambda *a: m(*a[:4], initial_state=a[4])
+    check_grads_per_input(fn(gla.pallas), fn(gla.chunked), (q, k, v, gla_gates(log_alpha, gates), h0), 24)
+
+
+@pytest.mark.parametrize("case", KERNEL_BACKWARD, ids=lambda c: "T{}-Hkv{}-D{}-h0{}-{}".format(*c))
+def test_gdn_backward_kernel_matches_chunked(case):
+    T, Hkv, D, with_state, gates = case
+    q, k, v, log_alpha, beta, h0 = make_inputs(28, T, Hkv, D, with_state, "float32", unit_keys=True)
+    fn = lambda m: lambda *a: m(*a[:5], initial_state=a[5])
+    check_grads_per_input(fn(gdn.pallas), fn(gdn.chunked), (q, k, v, gla_gates(log_alpha, gates), beta, h0), 29)
+
+
+def test_gdn_scalar_gate_backward_kernel_matches_chunked():
+    q, k, v, log_alpha, beta, h0 = make_inputs(30, 130, 2, (16, 128), True, "float32", unit_keys=True)
+    fn = lambda m: lambda *a: m(*a[:5], initial_state=a[5])
+    check_grads_per_input(fn(gdn.pallas), fn(gdn.chunked), (q, k, v, log_alpha[..., 0], beta, h0), 31)
+
+
+def test_kgla_backward_through_the_gla_kernel_matches_chunked():
+    """kGLA differentiates its combined gate (plain JAX) through GLA's kernel log-gate gradient."""
+    q, k, v, log_alpha, beta, h0 = make_inputs(25, 130, 2, 16, True, "float32", unit_keys=True)
+    fn = lambda m: lambda *a: m(*a[:5], initial_state=a[5])
+    check_grads_per_input(fn(kgla.pallas), fn(kgla.chunked), (q, k, v, log_alpha, beta, h0), 26)
+
+
+def pallas_call_names(fn, *args):
+    names = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                names.append(str(eqn.params.get("name", eqn.params.get("name_and_src_info"))))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("mech", ["gla", "gdn"])
+def test_gradient_runs_the_backward_kernels(mech):
+    """The gradient program contains the Pallas backward (not a chunked recompute)."""
+    q, k, v, log_alpha, beta, h0 = make_inputs(27, 70, 2, 16, True, "float32", unit_keys=True)
+    module, kernels, gates = ((gla, gla_pallas_backward, (log_alpha,)) if mech == "gla"
+                              else (gdn, gdn_pallas_backward, (log_alpha, beta)))
+    n = 3 + len(gates)
+
+    def loss(*a):
+        o, state = module.pallas(*a[:n], initial_state=a[n])
+        return jnp.sum(o) + jnp.sum(state)
+
+    names = pallas_call_names(jax.grad(loss, argnums=tuple(range(n + 1))), q, k, v, *gates, h0)
+    assert any(kernels.BACKWARD_NAME in n for n in names), names
+    assert any(kernels.STATES_NAME in n for n in names), names
 
 
 @pytest.mark.parametrize("case", BACKWARD[::-1], ids=lambda c: "T{}-Hkv{}-D{}-{}".format(*c))
