@@ -145,13 +145,15 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
     # The outputs are formed inside the scan, so it hands back o [C, Dv] per chunk rather than
     # the [Dk, Dv] state each chunk starts from (stacking those states cost as much as the scan).
     def chunk_step(S, x):
-        w, u_tilde, k_out_t, chunk_decay, q_in, a_qk = x
-        u = u_tilde - w @ S
-        o = q_in @ S + a_qk @ u
+        w_and_q, u_tilde, k_out_t, chunk_decay, a_qk = x
+        read = w_and_q @ S                                 # [W; Q⊙Γ] S_0 in one product
+        u = u_tilde - read[..., :C, :]
+        o = read[..., C:, :] + a_qk @ u
         return chunk_decay[..., None] * S + k_out_t @ u, o
 
     along_n = lambda x: jnp.moveaxis(x, 2, 0)
-    S_final, o = jax.lax.scan(chunk_step, S0, tuple(map(along_n, (w, u_tilde, k_out_t, chunk_decay, q_in, a_qk))))
+    xs = (jnp.concatenate([w, q_in], axis=-2), u_tilde, k_out_t, chunk_decay, a_qk)
+    S_final, o = jax.lax.scan(chunk_step, S0, tuple(map(along_n, xs)))
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, -1)[:, :T] * scale   # [N,B,H,C,Dv] -> [B,T,H,Dv]
     return o.astype(v.dtype), S_final
 
