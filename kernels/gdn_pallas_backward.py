@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from linjax.kernels import gdn_pallas
 from linjax.kernels.pallas_common import (
     MAX_BLOCK_V, SUB, ChunkGates, diag_gram, diag_pair_grads, head_specs, load_rows, matmul, matmul_t,
-    offdiag_gram, pad_axis, pad_to_tiles, t_matmul, triton_params)
+    offdiag_gram, pad_axis, pad_to_tiles, sum_partial_grads, t_matmul, triton_params)
 
 STATES_NAME = "linjax_gdn_chunked_states"
 BACKWARD_NAME = "linjax_gdn_chunked_bwd"
@@ -167,7 +167,7 @@ def backward(q, k, v, log_alpha, beta, initial_state, do, dht, *, scale=None, ch
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of gdn_pallas.forward with a
     per-channel gate, given the cotangents of o and of the final state, in the inputs'
     dtypes (None for a missing initial state)."""
-    (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
+    (_, T, H, Dk), Hkv = q.shape, k.shape[2]
     padded = pad_to_tiles(q, k, v, log_alpha, initial_state, chunk)
     Tp, Dkp, Dvp = padded[0].shape[1], padded[0].shape[3], padded[2].shape[3]
     beta_p = pad_axis(beta.astype(jnp.float32), 1, Tp)
@@ -176,12 +176,8 @@ def backward(q, k, v, log_alpha, beta, initial_state, do, dht, *, scale=None, ch
     dq, dk, dv, dg, dbeta, dh0 = _gdn_bwd_call(
         *padded[:4], beta_p, padded[4], do, dht, group=H // Hkv, chunk=chunk, interpret=bool(interpret),
         scale=Dk ** -0.5 if scale is None else float(scale))
-    # Sum the Dv-block partials, then the query heads of each kv group.
-    dq, dk, dg = (x.sum(0)[:, :T, :, :Dk] for x in (dq, dk, dg))
+    dq, dk, dv, dg, dh0 = sum_partial_grads(dq, dk, dv, dg, dh0, q=q, k=k, v=v, initial_state=initial_state)
     dbeta = dbeta.sum(0)[:, :T]
-    group_sum = lambda x: x.reshape(B, T, Hkv, H // Hkv, x.shape[-1]).sum(3)
-    dk, dv = group_sum(dk), group_sum(dv[:, :T, :, :Dv])
-    dh0 = None if initial_state is None else dh0[:, :, :Dk, :Dv].astype(initial_state.dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(log_alpha.dtype),
             dbeta.astype(beta.dtype), dh0)
 

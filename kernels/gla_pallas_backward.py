@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from linjax.kernels import gla_pallas
 from linjax.kernels.pallas_common import (
     MAX_BLOCK_V, SUB, ChunkGates, diag_gram, diag_pair_grads, head_specs, load_rows, matmul, matmul_t,
-    offdiag_gram, pad_axis, pad_to_tiles, t_matmul, triton_params)
+    offdiag_gram, pad_axis, pad_to_tiles, sum_partial_grads, t_matmul, triton_params)
 
 STATES_NAME = "linjax_gla_chunked_states"
 BACKWARD_NAME = "linjax_gla_chunked_bwd"
@@ -135,7 +135,7 @@ def backward(q, k, v, log_alpha, initial_state, do, dht, *, scale=None, chunk, i
     """Gradients (dq, dk, dv, dlog_alpha, dinitial_state) of gla_pallas.forward, given the
     cotangents of o and of the final state, in the inputs' dtypes (None for a missing
     initial state)."""
-    (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
+    (_, _, H, Dk), Hkv = q.shape, k.shape[2]
     padded = pad_to_tiles(q, k, v, log_alpha, initial_state, chunk)
     Tp, Dkp, Dvp = padded[0].shape[1], padded[0].shape[3], padded[2].shape[3]
     do = pad_axis(pad_axis(do, 1, Tp), 3, Dvp)
@@ -143,11 +143,7 @@ def backward(q, k, v, log_alpha, initial_state, do, dht, *, scale=None, chunk, i
     dq, dk, dv, dg, dh0 = _gla_bwd_call(
         *padded, do, dht, group=H // Hkv, chunk=chunk, interpret=bool(interpret),
         scale=Dk ** -0.5 if scale is None else float(scale))
-    # Sum the Dv-block partials, then the query heads of each kv group.
-    dq, dk, dg = (x.sum(0)[:, :T, :, :Dk] for x in (dq, dk, dg))
-    group_sum = lambda x: x.reshape(B, T, Hkv, H // Hkv, x.shape[-1]).sum(3)
-    dk, dv = group_sum(dk), group_sum(dv[:, :T, :, :Dv])
-    dh0 = None if initial_state is None else dh0[:, :, :Dk, :Dv].astype(initial_state.dtype)
+    dq, dk, dv, dg, dh0 = sum_partial_grads(dq, dk, dv, dg, dh0, q=q, k=k, v=v, initial_state=initial_state)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             dg.astype(log_alpha.dtype), dh0)
 

@@ -231,6 +231,18 @@ def pad_to_tiles(q, k, v, log_alpha, initial_state, chunk: int):
 # ------------------------------------------------------------ differentiation
 
 
+def sum_partial_grads(dq, dk, dv, dg, dh0, *, q, k, v, initial_state):
+    """The backward kernels' per-program partials -> gradients in the inputs' shapes (fp32):
+    dq, dk, dg [n_v, B, Tp, H, Dkp] summed over the Dv blocks, dk and dv [B, T, H, ·] summed over
+    the query heads of each kv group, padding cut off; dh0 None without an initial state."""
+    (B, T, H, Dk), Hkv, Dv = q.shape, k.shape[2], v.shape[3]
+    dq, dk, dg = (x.sum(0)[:, :T, :, :Dk] for x in (dq, dk, dg))
+    group_sum = lambda x: x.reshape(B, T, Hkv, H // Hkv, x.shape[-1]).sum(3)
+    dk, dv = group_sum(dk), group_sum(dv[:, :T, :, :Dv])
+    dh0 = None if initial_state is None else dh0[:, :, :Dk, :Dv].astype(initial_state.dtype)
+    return dq, dk, dv, dg, dh0
+
+
 def with_chunked_backward(kernel_forward, chunked_forward, *arrays):
     """`kernel_forward(*arrays)` with a `jax.custom_vjp` whose backward is the
     VJP of `chunked_forward(*arrays)` (same arguments, same results; entries
