@@ -95,7 +95,7 @@ def trained_model(base: CausalLM, directory: str, manifest: dict) -> CausalLM:
     by the caller (`sources.load`), linearized as saved, with the trained parameters put in."""
     if base.config != ModelConfig.from_hf(manifest["model_config"]):
         raise ValueError(f"{directory}: the base model at {manifest['base_source']!r} has changed since training")
-    model = linearize(base, LinearizeConfig.from_dict(manifest["linearize"]))
+    model = linearize(base, LinearizeConfig.from_saved(manifest["linearize"]))
     _restore_trainable(model, directory)
     return model
 
@@ -120,7 +120,7 @@ def load_trained_parameters(model: CausalLM, directory: str) -> None:
                          "takes a run directory written by `linjax train`")
     if model.config != ModelConfig.from_hf(manifest["model_config"]):
         raise ValueError(f"{directory} was trained on another base model than this run's")
-    theirs = LinearizeConfig.from_dict(manifest["linearize"]).to_dict()
+    theirs = LinearizeConfig.from_saved(manifest["linearize"]).to_dict()
     ours = model.linearize_config.to_dict()
     differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in ("kernel", "chunk"))
     if differing:
@@ -151,7 +151,7 @@ def load_checkpoint(directory: str, dtype=None):
     config = ModelConfig.from_hf(manifest["model_config"])
     saved_dtype = jnp.dtype(manifest["dtype"])
     linearized = manifest.get("linearize")
-    linearized = None if linearized is None else LinearizeConfig.from_dict(linearized)
+    linearized = None if linearized is None else LinearizeConfig.from_saved(linearized)
     graphdef, abstract_state = nnx.split(abstract_model(config, linearized, dtype=saved_dtype))
     state = _checkpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
     model = nnx.merge(graphdef, state)

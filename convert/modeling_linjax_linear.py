@@ -13,7 +13,8 @@ linjax's export writes: each JAX mixer's `torch_tensors`) and says, as methods:
     split_normaliser(o)      Hedgehog's normaliser, carried as v's last column
 
 Per query head h reading kv head h // (H // Hkv), o_t = scale · S_tᵀ q_t, scale = the config's
-`linearize.scale` or by default Dk^-1/2 (1 for Hedgehog).
+`linearize.scale`, or where that is null or absent (FLA's default, linjax's before it moved to 1)
+Dk^-1/2 (1 for Hedgehog).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from linjax.convert.hf import check_export_directory, write_directory
 from linjax.eval import latency
 from linjax.eval.cli import add_eval_parser
 from linjax.generate import generate
-from linjax.linearize import ADAPTERS, COMBINES, KERNELS, MIXERS, LinearizeConfig, mixer_names
+from linjax.linearize import ADAPTERS, COMBINES, FLA_DEFAULT_SCALE, KERNELS, MIXERS, LinearizeConfig, mixer_names
 from linjax.train.sharding import maybe_initialize_distributed
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
@@ -90,7 +90,18 @@ def parse_keep(text: str):
 
 # The names each text setting of LinearizeConfig accepts, for --help (LinearizeConfig checks the values).
 LINEARIZE_NAMES = {"mechanism": tuple(MIXERS), "combine": COMBINES, "kernel": KERNELS,
-                   "adapter": tuple("none" if a is None else a for a in ADAPTERS)}
+                   "adapter": tuple("none" if a is None else a for a in ADAPTERS),
+                   "scale": ("a number > 0", FLA_DEFAULT_SCALE)}
+
+
+def number_or_name(text: str):
+    """A flag that takes a number or a name (`--scale 1` or `--scale fla_default`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 FLAG_TYPES = {int: non_negative_int, float: float, str: str}
 
 
@@ -108,7 +119,8 @@ def add_linearize_flags(parser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=described)
         else:
             kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))  # `X | None`: X
-            parser.add_argument(flag, type=FLAG_TYPES[kind], default=field.default, help=described)
+            kind = number_or_name if field.name == "scale" else FLAG_TYPES[kind]
+            parser.add_argument(flag, type=kind, default=field.default, help=described)
 
 
 def _linearize(args):

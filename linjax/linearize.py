@@ -47,6 +47,14 @@ COMBINES = ("sum", "mixed")
 KERNELS = ("chunked", "pallas")
 
 
+# `scale = "fla_default"`: FLA's kernels' output scale, Dk^-1/2 (stored as None).
+FLA_DEFAULT_SCALE = "fla_default"
+
+# Settings whose default changed, with the value they had before: what a config saved without the
+# setting was run with. `scale` moved from FLA's Dk^-1/2 to 1 after the output-scale ablation.
+LEGACY_DEFAULTS = {"scale": None}
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearizeConfig:
     """How to linearize: the paper's final recipe is GDN + window 56 + 8 sinks + short conv.
@@ -60,9 +68,12 @@ class LinearizeConfig:
     keep_full_attention: layer indices kept as softmax attention, or a fraction of the layers
         spread uniformly over depth.
     kernel: "chunked" (pure JAX, any backend) or "pallas" (GPU kernels; interpreted on CPU).
-    scale: the linear term's output scale, y = scale · qᵀS; None: each mechanism's default
-        (Dk^-1/2 as FLA's kernels for GLA, kGLA, GDN, gdn_scalar; 1 for Hedgehog). The paper
-        writes no scale (i.e. 1).
+    scale: the linear term's output scale, y = scale · qᵀS. Default 1, the paper's y = qᵀS, which
+        the output-scale ablation chose (README, "The paper's claims"): pure GDN learns at 1 and
+        stays at a uniform guess at Dk^-1/2; with a window the two are within noise.
+        "fla_default" (None in Python): FLA's kernels' default, Dk^-1/2 for GLA, kGLA, GDN and
+        gdn_scalar (1 for Hedgehog), which was linjax's default before; a saved config without a
+        scale, or with null, was trained with it and still loads so (`LEGACY_DEFAULTS`).
     output_gain: a learned per-head gain (initialised to 1) on the linear term, one new
         parameter per head and layer.
     gate_bias: the decay gate's bias at initialisation (GLA, kGLA, GDN, gdn_scalar): 1 as in the
@@ -82,7 +93,7 @@ class LinearizeConfig:
     lora_alpha: float = 16.0
     chunk: int | None = None  # the kernels' chunk length; None: each kernel's own default
     kernel: str = "chunked"
-    scale: float | None = None
+    scale: float | str | None = 1.0
     output_gain: bool = False
     gate_bias: float = 1.0
 
@@ -115,10 +126,12 @@ class LinearizeConfig:
         if not (isinstance(self.gate_bias, (int, float)) and not isinstance(self.gate_bias, bool)
                 and math.isfinite(self.gate_bias)):
             raise ValueError(f"gate_bias must be a finite number, got {self.gate_bias!r}")
+        if self.scale == FLA_DEFAULT_SCALE:  # TOML and the CLI have no None
+            object.__setattr__(self, "scale", None)
         if self.scale is not None:
             number = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
             if not number or not 0 < self.scale < math.inf:
-                raise ValueError(f"scale must be a finite number > 0 (or None for the mechanism's default), "
+                raise ValueError(f"scale must be a finite number > 0, or {FLA_DEFAULT_SCALE!r} for FLA's Dk^-1/2, "
                                  f"got {self.scale!r}")
             object.__setattr__(self, "scale", float(self.scale))
         if not isinstance(self.output_gain, bool):
@@ -152,11 +165,18 @@ class LinearizeConfig:
 
     @classmethod
     def from_dict(cls, fields: dict) -> "LinearizeConfig":
+        """From settings a user wrote (a TOML section): a missing setting takes today's default."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown linearize settings {unknown}; known: {sorted(known)}")
         return cls(**fields)
+
+    @classmethod
+    def from_saved(cls, fields: dict) -> "LinearizeConfig":
+        """From settings linjax saved (a checkpoint's manifest): a missing setting takes the default it
+        had when the checkpoint was written, so old checkpoints load as they were trained."""
+        return cls.from_dict({**LEGACY_DEFAULTS, **fields})
 
 
 def linearize(model, config: LinearizeConfig, seed: int = 0):

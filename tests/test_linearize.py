@@ -148,7 +148,8 @@ def test_scale_and_output_gain_decode_equals_one_pass(one_layer_models, mechanis
 
 def test_scale_and_output_gain_act_on_the_linear_term(one_layer_models):
     """Without a window, y = g_h · scale · qᵀS: a gain of c on every head is the scale times c, and
-    a scale other than the default changes the output. The gain adds one parameter per head and layer."""
+    a scale other than the default (1, the paper's) changes the output; "fla_default" is the
+    kernels' Dk^-1/2. The gain adds one parameter per head and layer."""
     base = one_layer_models["llama"]
     tokens = tokens_for(base, 24, seed=2)
     run = lambda model: np.asarray(jitted(model)[0](tokens))
@@ -156,7 +157,11 @@ def test_scale_and_output_gain_act_on_the_linear_term(one_layer_models):
                                          seed=1)
     head_dim = base.config.head_dim
     default, half = make(), make(scale=0.5)
-    assert relative_rms(run(make(scale=head_dim ** -0.5)), run(default)) == 0.0  # None is the kernels' Dk^-1/2
+    assert default.linearize_config.scale == 1.0
+    assert relative_rms(run(make(scale=1)), run(default)) == 0.0
+    fla = make(scale="fla_default")
+    assert fla.linearize_config.scale is None
+    assert relative_rms(run(make(scale=head_dim ** -0.5)), run(fla)) == 0.0  # the kernels' own Dk^-1/2
     assert relative_rms(run(half), run(default)) > 1e-3
     gained = make(scale=0.25, output_gain=True)
     for block in gained.layers:
@@ -263,6 +268,36 @@ def test_linearized_checkpoint_round_trip(tiny_models, tmp_path):
     assert restored.linearize_config == config
     tokens = tokens_for(model, 20)
     np.testing.assert_array_equal(np.asarray(jitted(restored)[0](tokens)), np.asarray(jitted(model)[0](tokens)))
+
+
+def test_a_checkpoint_saved_before_the_scale_default_moved_loads_at_dk_to_the_minus_half(tiny_models, tmp_path):
+    """The default scale moved from FLA's Dk^-1/2 (stored as null) to 1. A checkpoint that stored null, or
+    that was written before linjax had the setting, must load as it was trained; a new one stores 1."""
+    from linjax.convert.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+
+    base = tiny_models["llama"]
+    old = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0, scale="fla_default"),
+                           seed=2)
+    tokens = tokens_for(base, 20)
+    want = np.asarray(jitted(old)[0](tokens))
+    for stored in ("null", "absent"):
+        path = str(tmp_path / stored)
+        save_checkpoint(old, path)
+        manifest_path = os.path.join(path, MANIFEST)
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        assert manifest["linearize"]["scale"] is None
+        if stored == "absent":
+            del manifest["linearize"]["scale"]
+            with open(manifest_path, "w") as f:
+                json.dump(manifest, f)
+        restored, _ = load_checkpoint(path)
+        assert restored.linearize_config.scale is None
+        np.testing.assert_array_equal(np.asarray(jitted(restored)[0](tokens)), want)
+    new = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0), seed=2)
+    save_checkpoint(new, str(tmp_path / "new"))
+    with open(os.path.join(tmp_path, "new", MANIFEST)) as f:
+        assert json.load(f)["linearize"]["scale"] == 1.0
 
 
 def test_linearized_generate_is_greedy_under_one_full_pass(tiny_models):

@@ -307,6 +307,17 @@ def test_bad_numbers_and_lists_are_refused_by_the_parser(argv, option, capsys):
     assert f"error: argument {option}" in err.strip().splitlines()[-1]  # after argparse's usage line
 
 
+def test_the_scale_flag_takes_a_number_or_fla_default(capsys):
+    from linjax.cli import build_parser
+
+    for text, want in (("1", 1.0), ("0.088", 0.088), ("fla_default", "fla_default")):
+        assert build_parser().parse_args(["linearize", "m", "--scale", text, "--out", "o"]).scale == want
+    status, _, err = run_cli(["linearize", "m", "--scale", "half", "--out", "o"], capsys)
+    assert status == 2
+    line = one_line_error(err)
+    assert "scale must be a finite number > 0, or 'fla_default'" in line and "'half'" in line
+
+
 def test_a_gguf_file_missing_metadata_is_one_line(tmp_path, monkeypatch, capsys):
     import gguf
 

@@ -51,6 +51,26 @@ def test_resume_refuses_a_changed_experiment_and_records_a_longer_run(tiny_sourc
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
 
 
+def test_a_run_from_before_the_scale_default_moved_resumes_only_with_its_scale_pinned():
+    """linearize.scale's default moved from FLA's Dk^-1/2 (stored as null) to 1: a run that stored null,
+    or was recorded before linjax had the setting, is another experiment under today's default, and
+    the refusal says how to keep its scale; `scale = "fla_default"` resumes it."""
+    from linjax.train.config import OPERATIONAL, describe_changes, from_dict, setting_changes
+
+    raw = {"run_dir": "run", "linearize": {"mechanism": "gdn"}}
+    today = from_dict(raw).to_dict()
+    assert today["linearize"]["scale"] == 1.0
+    pinned = from_dict({**raw, "linearize": {"mechanism": "gdn", "scale": "fla_default"}}).to_dict()
+    before_the_setting = {**today, "linearize": {k: v for k, v in today["linearize"].items() if k != "scale"}}
+    stored_null = {**today, "linearize": {**today["linearize"], "scale": None}}
+    for stored in (before_the_setting, stored_null):
+        changes = setting_changes(stored, today, ignore=OPERATIONAL)
+        assert changes == {"linearize.scale": (None, 1.0)}
+        assert 'scale = "fla_default"' in describe_changes(changes)
+        assert setting_changes(stored, pinned, ignore=OPERATIONAL) == {}
+    assert "fla_default" not in describe_changes({"linearize.scale": (0.5, 1.0)})
+
+
 def test_run_refuses_a_finished_stage_whose_settings_changed(tiny_source, corpus, tmp_path):
     run_dir = tmp_path / "run"
     base = experiment(run_dir, tiny_source, corpus, steps=2)

@@ -20,7 +20,7 @@ import json
 import tomllib
 from typing import Any
 
-from linjax.linearize import LinearizeConfig
+from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig
 
 OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
 
@@ -169,9 +169,11 @@ def matches(key: str, prefixes) -> bool:
 def setting_changes(old: dict, new: dict, ignore=()) -> dict:
     """{key: (old value, new value)} for every flat setting that differs, except those `ignore` names
     (see `matches`). A setting absent on one side has its default there (a run recorded before linjax
-    had that setting used its default), else None (e.g. lr unset)."""
+    had that setting used its default, or the one it had then if it has changed since:
+    `LEGACY_DEFAULTS`), else None (e.g. lr unset)."""
     old, new = flat_settings(old), flat_settings(new)
     defaults = flat_settings(ExperimentConfig(run_dir="", data=DataSection(paths=("",))).to_dict())
+    defaults.update({f"linearize.{key}": value for key, value in LEGACY_DEFAULTS.items()})
     changes = {}
     for key in sorted(set(old) | set(new)):
         before, after = old.get(key, defaults.get(key)), new.get(key, defaults.get(key))
@@ -182,7 +184,11 @@ def setting_changes(old: dict, new: dict, ignore=()) -> dict:
 
 def describe_changes(changes: dict) -> str:
     """"train.lr 0.002 → 0.001, linearize.mechanism 'gdn' → 'gla'"."""
-    return ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changes.items())
+    text = ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changes.items())
+    if changes.get("linearize.scale", (0, 0))[0] is None:  # a run from before the default moved to 1
+        text += (f" (None is FLA's Dk^-1/2, linjax's default scale until it became 1; "
+                 f"`scale = \"{FLA_DEFAULT_SCALE}\"` in [linearize] keeps it)")
+    return text
 
 
 _SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "eval": EvalSection}

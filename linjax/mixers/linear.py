@@ -11,12 +11,12 @@ as they are (post-RoPE), so inside the window the mixer is the original
 attention; the linear part uses them after the short convolution (if any)
 and the mechanism's feature transform (L2 normalisation, or Hedgehog's maps).
 
-The linear term is scaled by `scale` (LinearizeConfig; default: the
-mechanism's, Dk^-1/2 as in FLA's kernels, 1 for Hedgehog) and, with
-`output_gain`, by a learned per-head gain g_h (initialised to 1). The paper
-writes y = qᵀS with no scale; with L2-normalised q and k the delta rule's
-output is bounded by about scale · ‖v‖, so both let the linear part reach the
-output size of the softmax attention it replaces (issue 18).
+The linear term is scaled by `scale` (LinearizeConfig: 1 by default, the
+paper's y = qᵀS; None: the mechanism's own, Dk^-1/2 as in FLA's kernels, 1 for
+Hedgehog) and, with `output_gain`, by a learned per-head gain g_h (initialised
+to 1). With L2-normalised q and k the delta rule's output is bounded by about
+scale · ‖v‖, so both decide whether the linear part can reach the output size
+of the softmax attention it replaces (issue 18: at Dk^-1/2 pure GDN does not).
 
 A subclass (one file per mechanism) names its mechanism (`mechanism`, the name
 LinearizeConfig and the export use) and its kernel module in `linjax.kernels`,
