@@ -37,20 +37,33 @@ def causal_attention(q, k, v):
 def blocked_causal_attention(q, k, v, block: int):
     """Causal softmax attention in query blocks of `block` rows, each over the keys up to its last
     query only (about half the dense products); fp32 scores and softmax. The G = H / Hkv query heads
-    of a kv head share its keys."""
+    of a kv head share its keys.
+
+    Layout: q, k and v are put heads-major once ([B, Hkv, G, T, D] and [B, Hkv, T, D]), so each
+    block's two products are batched matmuls over (B, Hkv) on contiguous rows, the block's G·n
+    queries stacked as one matrix (as in `cached_attention`). Einsums over the [B, T, H, D] inputs
+    made XLA:CPU transpose every block's keys and values again: one layer at SmolLM2's shapes
+    (9 heads, 3 kv heads, D 64), forward / forward + backward, 7.0 / 12.4 ms → 3.2 / 9.5 ms at
+    T = 512 and 17.6 / 62.7 ms → 10.1 / 40.4 ms at T = 1,024 (same run, 2 cores)."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    q = q.reshape(B, T, Hkv, H // Hkv, D) * jnp.asarray(D ** -0.5, q.dtype)
+    G = H // Hkv
+    q = (q * jnp.asarray(D ** -0.5, q.dtype)).reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    over_heads = ((0, 1), (0, 1))
     blocks = []
     for start in range(0, T, block):
         end = min(start + block, T)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q[:, start:end], k[:, :end],
-                            preferred_element_type=jnp.float32)
-        causal = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        p = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-        blocks.append(jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v[:, :end],
-                                 preferred_element_type=jnp.float32))
-    return jnp.concatenate(blocks, axis=1).reshape(B, T, H, D).astype(q.dtype)
+        rows = q[:, :, :, start:end].reshape(B, Hkv, G * (end - start), D)  # row g·n + i: query start + i
+        scores = jax.lax.dot_general(rows, k[:, :, :end], (((3,), (3,)), over_heads),
+                                     preferred_element_type=jnp.float32)  # [B, Hkv, G·n, end]
+        query_pos = start + jnp.tile(jnp.arange(end - start), G)
+        p = jax.nn.softmax(jnp.where(jnp.arange(end)[None, :] <= query_pos[:, None], scores, -jnp.inf), axis=-1)
+        out = jax.lax.dot_general(p.astype(v.dtype), v[:, :, :end], (((3,), (2,)), over_heads),
+                                  preferred_element_type=jnp.float32)  # [B, Hkv, G·n, D]
+        blocks.append(out.reshape(B, Hkv, G, end - start, D))
+    out = jnp.concatenate(blocks, axis=3)  # [B, Hkv, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q.dtype)
 
 
 def cached_attention(q, cache: KVCache):
