@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 
-# The suite compiles many small XLA programs on 2 CPU cores: cheap compilation
-# matters more than fast code here (tolerances are unaffected). Not
-# --xla_backend_optimization_level=0: with it, compilation hung now and then.
-os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true")
+# The suite is mostly XLA compilation (73% of tests/kernels/test_gla.py's time in a profile), so
+# it compiles at optimization level 0 without the fusion emitters: the whole suite on 2 cores
+# took 12.4 min instead of 24.0, with the same tests and tolerances. The hang once seen at
+# level 0 was the LAPACK deadlock (tests/kernels/test_no_lapack.py), gone with LAPACK. What users
+# run, XLA's optimizing pipeline and its fast paths, is tested by the tests that call
+# `helpers.environment_with_user_xla_flags` (the miscompile and deadlock checks) in subprocesses
+# with the flags as they were before this file set them, kept in LINJAX_TESTS_USER_XLA_FLAGS.
+os.environ.setdefault("LINJAX_TESTS_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                                   "--xla_llvm_disable_expensive_passes=true")
 
 # One XLA compilation cache for the session, shared through the environment by pytest-xdist's
 # workers and the tests' subprocesses (training runs killed and resumed, exports, CLI runs):

@@ -1,5 +1,7 @@
 """Shared comparison helpers for the test-suite."""
 
+import os
+
 import numpy as np
 
 
@@ -16,3 +18,15 @@ def relative_rms(actual, expected) -> float:
     denom = np.linalg.norm(e)
     num = np.linalg.norm(a - e)
     return float(num / denom) if denom > 0 else float(num)
+
+
+def environment_with_user_xla_flags(**extra) -> dict:
+    """The environment for a subprocess that compiles as users do: XLA_FLAGS as they were before
+    tests/conftest.py switched the suite to fast compilation, plus `extra`."""
+    env = {**os.environ, **extra}
+    user_flags = os.environ.get("LINJAX_TESTS_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    if user_flags:
+        env["XLA_FLAGS"] = user_flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env

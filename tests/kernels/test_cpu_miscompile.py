@@ -5,14 +5,18 @@ inside `jit` (zeros) returned values around 1e30, with no error. linjax used to 
 ynn fusion off on import (`--xla_cpu_experimental_ynn_fusion_type=`), which made SmolLM2's
 forward slower (see the README's performance section). The workaround now is the narrow one:
 the kernels' default zero state passes an optimization barrier (`gla.initial_state_or_zeros`),
-and XLA's fast paths stay on everywhere. These tests run with XLA's default flags, as users
-do: each kernel jitted with the default state (the workaround) and with a constant zero state
+and XLA's fast paths stay on everywhere. These tests run with the XLA flags users have (in one
+subprocess: the rest of the suite compiles at optimization level 0, tests/conftest.py, where
+the ynn fusion does not run): each kernel jitted with the default state (the workaround) and with a constant zero state
 passed in from inside `jit` (the trigger, no workaround), against the token-by-token reference.
 On the machines this project runs on now (AMD EPYC, jaxlib 0.10.0 and 0.10.2) the trigger no
 longer miscompiles, so the second case passes too; on a CPU where it does, it fails and says so.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +24,9 @@ import numpy as np
 import pytest
 
 from linjax.kernels import gdn, gla, kgla, linear_attn
-from tests.helpers import relative_rms
+from tests.helpers import environment_with_user_xla_flags, relative_rms
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 B, T, H, D = 1, 96, 2, 64
 
@@ -44,23 +50,47 @@ KERNELS = {
 }
 
 
-def test_xla_fast_paths_are_on():
-    """linjax no longer disables the ynn fusion behind the user's back."""
-    import linjax  # noqa: F401  (importing it used to set the flag)
+STATES = ["default (barrier)", "constant zeros inside jit"]
 
-    assert "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", "")
+
+def check_every_kernel() -> dict:
+    """{"kernel | state": (all finite, relative RMS against the reference)} and XLA_FLAGS after `import linjax`."""
+    import linjax  # noqa: F401  (importing it used to turn the ynn fusion off)
+
+    results = {"xla_flags_after_import": os.environ.get("XLA_FLAGS", "")}
+    for name, (module, pick) in KERNELS.items():
+        args = pick(*inputs())
+        value_dim = D + 1 if module is linear_attn else D
+        expected = module.reference(*args, initial_state=jnp.zeros((B, H, D, value_dim), jnp.float32))
+        for state in STATES:
+            zeros = (lambda: {}) if state.startswith("default") else (
+                lambda: {"initial_state": jnp.zeros((B, H, D, value_dim), jnp.float32)})
+            actual = jax.jit(lambda *a: module.chunked(*a, **zeros()))(*args)
+            pairs = list(zip(jax.tree.leaves(actual), jax.tree.leaves(expected)))
+            results[f"{name} | {state}"] = (all(bool(np.isfinite(np.asarray(got)).all()) for got, _ in pairs),
+                                            max(relative_rms(np.asarray(got), np.asarray(want)) for got, want in pairs))
+    return results
+
+
+@pytest.fixture(scope="module")
+def with_user_flags():
+    """`check_every_kernel` in a subprocess compiled with the user's XLA flags."""
+    done = subprocess.run([sys.executable, "-c", "import json; from tests.kernels.test_cpu_miscompile import "
+                           "check_every_kernel; print(json.dumps(check_every_kernel()))"],
+                          env=environment_with_user_xla_flags(PYTHONPATH=ROOT), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_xla_fast_paths_are_on(with_user_flags):
+    """linjax no longer disables the ynn fusion behind the user's back."""
+    assert "ynn_fusion_type" not in with_user_flags["xla_flags_after_import"]
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
-@pytest.mark.parametrize("state", ["default (barrier)", "constant zeros inside jit"])
-def test_jitted_chunked_kernel_at_head_dim_64_matches_the_reference(name, state):
-    module, pick = KERNELS[name]
-    args = pick(*inputs())
-    value_dim = D + 1 if module is linear_attn else D
-    zeros = (lambda: {}) if state.startswith("default") else (
-        lambda: {"initial_state": jnp.zeros((B, H, D, value_dim), jnp.float32)})
-    expected = module.reference(*args, initial_state=jnp.zeros((B, H, D, value_dim), jnp.float32))
-    actual = jax.jit(lambda *a: module.chunked(*a, **zeros()))(*args)
-    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-        assert np.isfinite(np.asarray(got)).all(), f"{name} with {state}: non-finite output (the miscompile)"
-        assert relative_rms(np.asarray(got), np.asarray(want)) <= 1e-5, f"{name} with {state}"
+@pytest.mark.parametrize("state", STATES)
+def test_jitted_chunked_kernel_at_head_dim_64_matches_the_reference(name, state, with_user_flags):
+    finite, error = with_user_flags[f"{name} | {state}"]
+    assert finite, f"{name} with {state}: non-finite output (the miscompile)"
+    assert error <= 1e-5, f"{name} with {state}: relative RMS {error:.2e}"

@@ -25,6 +25,7 @@ import linjax
 from linjax.config import tiny_config
 from linjax.kernels import gdn, gla, kgla, linear_attn, swa
 from linjax.model import CausalLM
+from tests.helpers import environment_with_user_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,7 +55,7 @@ CONCURRENT_GDN = textwrap.dedent("""
 
 
 def test_concurrent_chunked_gdn_calls_do_not_deadlock():
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = environment_with_user_xla_flags(PYTHONPATH=ROOT)  # compiled as users compile it
     try:
         done = subprocess.run([sys.executable, "-c", CONCURRENT_GDN], env=env, cwd=ROOT, capture_output=True,
                               text=True, timeout=240)
