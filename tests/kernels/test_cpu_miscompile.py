@@ -5,10 +5,12 @@ inside `jit` (zeros) returned values around 1e30, with no error. linjax used to 
 ynn fusion off on import (`--xla_cpu_experimental_ynn_fusion_type=`), which made SmolLM2's
 forward slower (see the README's performance section). The workaround now is the narrow one:
 the kernels' default zero state passes an optimization barrier (`gla.initial_state_or_zeros`),
-and XLA's fast paths stay on everywhere. These tests run with the XLA flags users have (in one
-subprocess: the rest of the suite compiles at optimization level 0, tests/conftest.py, where
-the ynn fusion does not run): each kernel jitted with the default state (the workaround) and with a constant zero state
-passed in from inside `jit` (the trigger, no workaround), against the token-by-token reference.
+and XLA's fast paths stay on everywhere. A miscompile depends on the compiler's settings, so
+these checks run in one subprocess with the XLA flags users have, not the suite's
+optimization level 0 (tests/conftest.py; the ynn fusions are emitted there too, 27 in a small
+GDN program, but the passes around them differ): each kernel jitted with the default state
+(the workaround) and with a constant zero state passed in from inside `jit` (the trigger, no
+workaround), against the token-by-token reference.
 On the machines this project runs on now (AMD EPYC, jaxlib 0.10.0 and 0.10.2) the trigger no
 longer miscompiles, so the second case passes too; on a CPU where it does, it fails and says so.
 """
