@@ -60,8 +60,21 @@ def watch(stage: str, seconds: float | None = DEFAULT_SECONDS, *, hint: str = ""
     progress()
 
     def guard():
-        while not done.wait(min(seconds / 10, 5.0)):
-            if time.monotonic() - _last_progress > seconds:
+        interval = min(seconds / 10, 5.0)
+        heartbeat, stalled, last_tick = _last_progress, 0.0, time.monotonic()
+        while not done.wait(interval):
+            now = time.monotonic()
+            # Count only time in which this process ran. A tick far later than asked means it was
+            # stopped (SIGSTOP, Ctrl-Z, a scheduler suspending the job) or the machine slept: the
+            # monotonic clock went on, but that is no stall, and a resumed run must not be killed
+            # for it. A deadlock leaves this thread ticking on time, so it still fires.
+            ran = min(now - last_tick, 2 * interval)
+            last_tick = now
+            if _last_progress != heartbeat:
+                heartbeat, stalled = _last_progress, min(now - _last_progress, ran)
+            else:
+                stalled += ran
+            if stalled > seconds:
                 on_stall(stage, seconds, hint)
                 return
 

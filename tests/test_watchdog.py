@@ -1,6 +1,7 @@
 """The watchdog: a stage that stops making progress ends with an error naming it (issue 15)."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,33 @@ def test_progress_keeps_a_stage_alive_and_silence_stops_it():
     with watchdog.watch("silent", 0.5, on_stall=on_stall):
         time.sleep(1.5)
     assert stalls == [("silent", 0.5)]
+
+
+def test_a_stopped_and_resumed_process_is_not_a_stall():
+    """A process stopped (SIGSTOP, Ctrl-Z, a scheduler's suspend) for longer than the limit, then
+    resumed, goes on: the time it was stopped does not count. A silent stage still stops after."""
+    code = """
+        import sys, time
+        from linjax import watchdog
+        with watchdog.watch("busy", 1.0):
+            print("ready", flush=True)
+            for _ in range(40):  # 4 s, with progress every 0.1 s while running
+                time.sleep(0.1)
+                watchdog.progress()
+        print("finished", flush=True)
+        with watchdog.watch("silent", 1.0):
+            time.sleep(30)
+    """
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    process.send_signal(signal.SIGSTOP)
+    time.sleep(3)  # three times the limit
+    process.send_signal(signal.SIGCONT)
+    out, err = process.communicate(timeout=60)
+    assert "finished" in out, err[-2000:]
+    assert process.returncode == watchdog.EXIT_STATUS and "silent made no progress for 1 s" in err, err[-2000:]
 
 
 def test_off_when_seconds_is_zero_or_none():
