@@ -44,6 +44,7 @@ from linjax.scan import layer_runs, run_layers, stack_layers, unstack_layers
 from linjax.train import sharding
 from linjax.train.config import TrainSection
 from linjax.train.loop import make_optimizer, make_train_step, place_train_state
+from linjax.train.cross_entropy import cross_entropy
 from linjax.train.objectives import next_token_loss
 
 STEPS = {
@@ -106,8 +107,7 @@ def linjax_calls(base, seq_len):
         positions = jnp.arange(tokens.shape[1] - 1, dtype=jnp.int32)[None]
         x, _ = run_layers(model.layers, embeddings, positions, remat=model.remat)
         logits = model.logits(model.norm(x)).astype(jnp.float32)
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
-        return -jnp.mean(picked)
+        return jnp.mean(cross_entropy(logits, tokens[:, 1:]))
 
     forward = jax.jit(lambda params, tokens: next_token_loss(nnx.merge(graphdef, unstack_layers(params)), tokens))
     floor = jax.jit(lambda params, tokens: jax.grad(loss_from_embeddings)(
