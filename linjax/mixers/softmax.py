@@ -58,9 +58,15 @@ def blocked_causal_attention(q, k, v, block: int):
         scores = jax.lax.dot_general(rows, k[:, :, :end], (((3,), (3,)), over_heads),
                                      preferred_element_type=jnp.float32)  # [B, Hkv, G·n, end]
         query_pos = start + jnp.tile(jnp.arange(end - start), G)
-        p = jax.nn.softmax(jnp.where(jnp.arange(end)[None, :] <= query_pos[:, None], scores, -jnp.inf), axis=-1)
-        out = jax.lax.dot_general(p.astype(v.dtype), v[:, :, :end], (((3,), (2,)), over_heads),
+        scores = jnp.where(jnp.arange(end)[None, :] <= query_pos[:, None], scores, -jnp.inf)
+        # Softmax normalised after the product with v: the division touches the [G·n, D] output,
+        # not the [G·n, end] probabilities, which saves the backward a pass over the scores (one
+        # layer's forward + backward at T = 1,024: 103 → 81 ms, same run, loaded 2-core machine).
+        # The max is a constant shift of each row, so no gradient flows through it.
+        unnormalised = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+        out = jax.lax.dot_general(unnormalised.astype(v.dtype), v[:, :, :end], (((3,), (2,)), over_heads),
                                   preferred_element_type=jnp.float32)  # [B, Hkv, G·n, D]
+        out = out / jnp.sum(unnormalised, axis=-1, keepdims=True)
         blocks.append(out.reshape(B, Hkv, G, end - start, D))
     out = jnp.concatenate(blocks, axis=3)  # [B, Hkv, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q.dtype)
