@@ -9,9 +9,10 @@ XLA then compiles one block per run instead of 30 copies, which is most of the f
 time and of the test suite's time.
 
 The price is one copy of the stacked weights per call (about 0.4 GB for SmolLM2, tens of
-milliseconds on a CPU): nothing next to a training step or a prefill, but more than a
-one-token decode step of a small model, so `CausalLM` scans only calls without decoding
-states unless asked (see `CausalLM.scan_layers`).
+milliseconds on a CPU): nothing next to a prefill, but more than a one-token decode step of a
+small model, so `CausalLM` scans only calls without decoding states unless asked (see
+`CausalLM.scan_layers`). The training step does not pay it: it holds its parameters already
+stacked (`StackedLayers`), and XLA folds the per-layer views back into the stack.
 
 `remat` wraps the block in `jax.checkpoint`: "full" keeps only each block's input for the
 backward pass (activation memory of one block instead of all), "dots" also keeps the
