@@ -40,11 +40,11 @@ from flax import nnx
 
 import linjax
 from linjax.files import write_json
-from linjax.layers import Trainable
-from linjax.scan import run_layers
+from linjax.scan import layer_runs, run_layers, stack_layers, unstack_layers
 from linjax.train import sharding
 from linjax.train.config import TrainSection
-from linjax.train.loop import make_optimizer, make_train_step
+from linjax.train.loop import make_optimizer, make_train_step, place_train_state
+from linjax.train.cross_entropy import cross_entropy
 from linjax.train.objectives import next_token_loss
 
 STEPS = {
@@ -96,21 +96,22 @@ def torch_calls(seq_len):
 
 
 def linjax_calls(base, seq_len):
-    """linjax's forward + loss and floor, jitted, weights passed as arguments (as in training)."""
+    """linjax's forward + loss and floor, jitted, weights passed as arguments stacked by layer run
+    (as the training step holds them, `linjax.train.loop.place_train_state`)."""
     graphdef, params = nnx.split(base)
+    params = stack_layers(params, layer_runs(base.layers))
     tokens = jnp.asarray(batch_tokens(seq_len))
 
     def loss_from_embeddings(embeddings, params, tokens):
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, unstack_layers(params))
         positions = jnp.arange(tokens.shape[1] - 1, dtype=jnp.int32)[None]
         x, _ = run_layers(model.layers, embeddings, positions, remat=model.remat)
         logits = model.logits(model.norm(x)).astype(jnp.float32)
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
-        return -jnp.mean(picked)
+        return jnp.mean(cross_entropy(logits, tokens[:, 1:]))
 
-    forward = jax.jit(lambda params, tokens: next_token_loss(nnx.merge(graphdef, params), tokens))
+    forward = jax.jit(lambda params, tokens: next_token_loss(nnx.merge(graphdef, unstack_layers(params)), tokens))
     floor = jax.jit(lambda params, tokens: jax.grad(loss_from_embeddings)(
-        nnx.merge(graphdef, params).embed_tokens(tokens[:, :-1]), params, tokens))
+        nnx.merge(graphdef, unstack_layers(params)).embed_tokens(tokens[:, :-1]), params, tokens))
     return {"forward + loss": lambda: jax.block_until_ready(forward(params, tokens)),
             "floor": lambda: jax.block_until_ready(floor(params, tokens))}
 
@@ -118,12 +119,10 @@ def linjax_calls(base, seq_len):
 def train_step_call(base, config, seq_len, mesh):
     """One `linjax train` step of `config`, state placed exactly as the training loop places it."""
     model = linjax.linearize(base, config, seed=1)
-    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
-    frozen = sharding.shard_frozen(frozen, mesh)
     optimizer, _ = make_optimizer(TrainSection(steps=100, seq_len=seq_len, warmup_steps=10), config.adapter)
+    graphdef, trainable, opt_state, frozen, _ = place_train_state(model, optimizer, mesh)
     step = make_train_step(graphdef, optimizer, "ce", mesh)
-    state = [sharding.replicate(jax.tree.map(lambda x: x.copy(), trainable), mesh),
-             sharding.replicate(optimizer.init(trainable), mesh)]
+    state = [trainable, opt_state]
     batch = sharding.put_batch(batch_tokens(seq_len), mesh)
 
     def call():

@@ -36,3 +36,17 @@ def test_causal_attention_is_blocked_on_cpu_and_keeps_the_dtype():
     if jax.default_backend() == "cpu":  # the blocked path: one product pair per query block
         text = jax.jit(causal_attention).lower(q, q, q).as_text()
         assert text.count("dot_general") == 2 * 5  # 300 rows in blocks of 64
+
+
+def test_the_backward_keeps_no_score_matrix():
+    """causal_attention recomputes its blocks in the backward pass: what it saves grows as T, not T²."""
+    T, H, D = 512, 4, 16
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, T, H, D)), jnp.float32)
+
+    def saved_sizes(attention):  # the arrays a pullback holds on to
+        _, pullback = jax.vjp(attention, q, q, q)
+        return [leaf.size for leaf in jax.tree.leaves(pullback)]
+
+    assert max(saved_sizes(causal_attention)) <= T * H * D
+    if jax.default_backend() == "cpu":  # without the recomputation, blocks of 64 keep ≈ H·T²/2 scores
+        assert sum(saved_sizes(lambda q, k, v: blocked_causal_attention(q, k, v, 64))) > H * T * T / 2

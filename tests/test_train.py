@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -45,7 +46,9 @@ def losses(run_dir):
 
 
 def test_frozen_weights_stay_bit_identical_and_adam_keeps_two_moments(tiny_source, corpus, tmp_path):
-    from linjax.train.loop import make_optimizer, make_train_step
+    from linjax.scan import per_layer, stacked_by_run
+    from linjax.train.loop import make_optimizer, make_train_step, place_train_state
+    from linjax.train.objectives import objective_loss
     from linjax.train.sharding import make_mesh
 
     config = experiment(tmp_path / "run", tiny_source, corpus, steps=3)
@@ -63,15 +66,36 @@ def test_frozen_weights_stay_bit_identical_and_adam_keeps_two_moments(tiny_sourc
                                                         jax.tree.leaves(nnx.state(trained, Trainable)))]
     assert any(changed)
     # Optimizer state: AdamW's two moments per trainable parameter and nothing for frozen ones.
-    graphdef, trainable, frozen = nnx.split(fresh, Trainable, ...)
     optimizer, _ = make_optimizer(config.train, None)
-    opt_state = optimizer.init(trainable)
+    graphdef, trainable, opt_state, frozen, runs = place_train_state(fresh, optimizer, make_mesh())
     moment_sizes = sum(x.size for x in jax.tree.leaves(opt_state) if x.ndim > 0)
     assert moment_sizes == 2 * linjax.trainable_parameter_count(fresh)
     step = make_train_step(graphdef, optimizer, "ce", make_mesh())
     batch = np.asarray(np.arange(96).reshape(2, 48) % 100, np.int32)
-    new_trainable, new_state, _ = step(trainable, opt_state, frozen, batch)
+    new_trainable, new_state, metrics = step(trainable, opt_state, frozen, batch)
     assert jax.tree.structure(new_state) == jax.tree.structure(optimizer.init(new_trainable))
+    # The step on the layer-stacked state is the plain step on per-layer state: same loss, same update.
+    per_layer_graphdef, per_layer_trainable, per_layer_frozen = nnx.split(fresh, Trainable, ...)
+
+    def plain_step(params, opt_state):
+        (loss, _), grads = jax.value_and_grad(lambda p: objective_loss(
+            nnx.merge(per_layer_graphdef, p, per_layer_frozen), batch, "ce"), has_aux=True)(params)
+        updates, _ = optimizer.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates)
+
+    loss, expected = jax.jit(plain_step)(per_layer_trainable, optimizer.init(per_layer_trainable))
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
+    got = per_layer(new_trainable)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # Checkpoints keep the per-layer form, and it converts back exactly.
+    checkpoint_form = per_layer(new_state)
+    assert jax.tree.structure(checkpoint_form) == jax.tree.structure(optimizer.init(per_layer_trainable))
+    back = stacked_by_run(checkpoint_form, runs)
+    assert jax.tree.structure(back) == jax.tree.structure(new_state)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(new_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_trained_run_directory_restores_with_load(tiny_source, corpus, tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ from linjax import watchdog
 from linjax.convert.checkpoint import load_trained_parameters, save_trained
 from linjax.files import write_json, write_text
 from linjax.layers import Trainable
+from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
 from linjax.train import sharding
 from linjax.train.config import OPERATIONAL, describe_changes, setting_changes
 from linjax.train.data import build_dataset
@@ -55,13 +56,17 @@ def make_optimizer(train_config, adapter):
 def make_train_step(graphdef, optimizer, objective: str, mesh):
     """A jitted (trainable, opt_state, frozen, batch) → (trainable, opt_state, metrics) step.
 
+    `trainable` and `frozen` are held stacked by layer run (`linjax.scan.StackedLayers`, see
+    `place_train_state`); `opt_state` is the optimizer's state for the stacked `trainable`.
+
     Outputs are pinned to the replicated sharding the inputs have, so the step
     compiles once instead of again after its first call.
     """
 
     def step(trainable, opt_state, frozen, batch):
         def loss_fn(params):
-            return objective_loss(nnx.merge(graphdef, params, frozen), batch, objective)
+            model = nnx.merge(graphdef, unstack_layers(params), unstack_layers(frozen))
+            return objective_loss(model, batch, objective)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
@@ -70,6 +75,27 @@ def make_train_step(graphdef, optimizer, objective: str, mesh):
 
     replicated = sharding.replicated_sharding(mesh)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated))
+
+
+def place_train_state(model, optimizer, mesh):
+    """(graphdef, trainable, opt_state, frozen, runs) as the training step takes them.
+
+    Both parameter parts are stacked by layer run (`StackedLayers`); the frozen weights are
+    sharded over the mesh's fsdp axis, the trainable ones and the optimizer state replicated.
+    `runs` converts to and from the per-layer form that checkpoints keep
+    (`linjax.scan.per_layer` / `stacked_by_run`).
+    """
+    runs = layer_runs(model.layers)
+    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+    if not jax.tree.leaves(trainable):
+        settings = model.linearize_config.to_dict() if model.linearize_config is not None else None
+        raise ValueError(f"linearize settings {settings} add no trainable parameters "
+                         "(e.g. mechanism 'window' or 'softmax'): there is nothing to train; evaluate the "
+                         "experiment file directly (linjax eval ... CONFIG.toml)")
+    trainable = sharding.replicate(stack_layers(trainable, runs), mesh)
+    frozen = sharding.shard_frozen(stack_layers(frozen, runs), mesh)
+    opt_state = sharding.replicate(optimizer.init(trainable), mesh)
+    return graphdef, trainable, opt_state, frozen, runs
 
 
 def _truncate_metrics(path: str, last_step: int):
@@ -148,31 +174,25 @@ def run(config, resume: bool = False, progress: bool = True):
     model = linjax.linearize(model, config.linearize, seed=tc.seed)
     if tc.init_from and not start_step:  # on resume the checkpoint holds the parameters
         load_trained_parameters(model, tc.init_from)
-    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
-    if not jax.tree.leaves(trainable):
-        raise ValueError(f"linearize settings {config.linearize.to_dict()} add no trainable parameters "
-                         "(e.g. mechanism 'window' or 'softmax'): there is nothing to train; evaluate the "
-                         "experiment file directly (linjax eval ... CONFIG.toml)")
     mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
-    frozen = sharding.shard_frozen(frozen, mesh)
-    trainable = sharding.replicate(trainable, mesh)
     optimizer, schedule = make_optimizer(tc, config.linearize.adapter)
-    opt_state = sharding.replicate(optimizer.init(trainable), mesh)
+    graphdef, trainable, opt_state, frozen, runs = place_train_state(model, optimizer, mesh)
     dataset = build_dataset(config.data, tokenizer, seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed)
 
     step = start_step
     if step:
         restored = manager.restore(step, args=ocp.args.Composite(
-            train_state=ocp.args.StandardRestore({"trainable": trainable, "opt_state": opt_state}),
+            train_state=ocp.args.StandardRestore(per_layer({"trainable": trainable, "opt_state": opt_state})),
             data=ocp.args.JsonRestore()))
-        trainable, opt_state = restored["train_state"]["trainable"], restored["train_state"]["opt_state"]
+        restored_state = sharding.replicate(stacked_by_run(restored["train_state"], runs), mesh)
+        trainable, opt_state = restored_state["trainable"], restored_state["opt_state"]
         dataset.restore(restored["data"])
     if jax.process_index() == 0:
         _truncate_metrics(metrics_path, step)
 
     def save(at_step):
         manager.save(at_step, args=ocp.args.Composite(
-            train_state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
+            train_state=ocp.args.StandardSave(per_layer({"trainable": trainable, "opt_state": opt_state})),
             data=ocp.args.JsonSave(dataset.state())), force=True)
         manager.wait_until_finished()
 
@@ -205,6 +225,6 @@ def run(config, resume: bool = False, progress: bool = True):
         bar.close()
     finally:
         manager.close()  # stops orbax's background threads (many runs may share a process)
-    model = nnx.merge(graphdef, trainable, frozen)
+    model = nnx.merge(graphdef, unstack_layers(trainable), unstack_layers(frozen))
     save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype)
     return model

@@ -15,14 +15,13 @@ import jax.numpy as jnp
 
 from linjax.mixers.softmax import SoftmaxAttention, pretrained_attention
 from linjax.model import token_positions
+from linjax.train.cross_entropy import cross_entropy
 
 
 def next_token_loss(model, tokens: jax.Array) -> jax.Array:
     """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32)."""
     logits = model(tokens[:, :-1]).astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+    return jnp.mean(cross_entropy(logits, tokens[:, 1:]))
 
 
 def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:

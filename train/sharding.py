@@ -14,11 +14,14 @@ processes' devices.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from linjax.scan import StackedLayers
 
 
 def maybe_initialize_distributed():
@@ -55,8 +58,19 @@ def weight_spec(shape, fsdp_size: int) -> P:
 
 
 def shard_frozen(state, mesh: Mesh):
+    """The frozen weights sharded by `weight_spec`; in a `StackedLayers` state, the layers' stacked
+    weights by the rule for one layer's weight, never along the layer axis (each scan step reads
+    one layer, so a sharded layer axis would move whole layers between devices)."""
     fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, weight_spec(x.shape, fsdp))), state)
+
+    def put(x, stacked=False):
+        spec = P(None, *weight_spec(x.shape[1:], fsdp)) if stacked else weight_spec(x.shape, fsdp)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    if isinstance(state, StackedLayers):
+        return dataclasses.replace(state, runs=jax.tree.map(lambda x: put(x, stacked=True), state.runs),
+                                   rest=jax.tree.map(put, state.rest))
+    return jax.tree.map(put, state)
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
