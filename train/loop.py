@@ -93,7 +93,9 @@ def place_train_state(model, optimizer, mesh):
                          "(e.g. mechanism 'window' or 'softmax'): there is nothing to train; evaluate the "
                          "experiment file directly (linjax eval ... CONFIG.toml)")
     trainable = sharding.replicate(stack_layers(trainable, runs), mesh)
-    frozen = sharding.shard_frozen(stack_layers(frozen, runs), mesh)
+    # Sharded before stacking, so that the stacking runs spread over the mesh: stacking first
+    # would put a whole copy of the frozen model on one device.
+    frozen = sharding.shard_frozen(stack_layers(sharding.shard_frozen(frozen, mesh), runs), mesh)
     opt_state = sharding.replicate(optimizer.init(trainable), mesh)
     return graphdef, trainable, opt_state, frozen, runs
 
@@ -177,6 +179,7 @@ def run(config, resume: bool = False, progress: bool = True):
     mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
     optimizer, schedule = make_optimizer(tc, config.linearize.adapter)
     graphdef, trainable, opt_state, frozen, runs = place_train_state(model, optimizer, mesh)
+    del model  # frees the per-layer weights, which the stacked copies replace
     dataset = build_dataset(config.data, tokenizer, seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed)
 
     step = start_step
