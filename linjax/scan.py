@@ -53,7 +53,12 @@ def stack(trees):
 
 
 def unstack(tree, count: int) -> list:
-    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(count)]
+    """The inverse of `stack`. By `jnp.split`, whose gradient is one concatenate that XLA folds
+    into the scan's slicing (a slice per layer would transpose to a zero-padded copy of the whole
+    stack per layer)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [jnp.split(leaf, count) for leaf in leaves]
+    return [treedef.unflatten([part[i][0] for part in parts]) for i in range(count)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,38 +84,35 @@ jax.tree_util.register_dataclass(StackedLayers, data_fields=["runs", "rest"], me
 
 
 def stack_layers(state: nnx.State, runs) -> StackedLayers:
-    """`state` (paths ('layers', i, ...) and others) with each run of layers stacked; see StackedLayers."""
+    """`state` (its 'layers' entry indexed by layer, and others) with each run of layers stacked."""
     runs = tuple(tuple(run) for run in runs)
-    layer_of_run = {i: r for r, run in enumerate(runs) for i in run}
-    per_run = [dict() for _ in runs]  # sub-path → [variable per layer]
-    rest = []
-    for path, variable in nnx.to_flat_state(state):
-        if len(path) > 2 and path[0] == "layers" and path[1] in layer_of_run:
-            per_run[layer_of_run[path[1]]].setdefault(path[2:], []).append(variable)
-        else:
-            rest.append((path, variable))
+    layers = state.get("layers", {})
+    rest = nnx.State({key: value for key, value in state.items() if key != "layers"})
     stacked = []
-    for run, leaves in zip(runs, per_run):
-        for sub_path, variables in leaves.items():
-            if len(variables) != len(run):
-                raise ValueError(f"layers {list(run)} do not all hold {'/'.join(map(str, sub_path))}: "
-                                 "they are not one run of identical blocks")
-        stacked.append(nnx.from_flat_state([
-            (sub_path, variables[0].replace(jnp.stack([v.get_value() for v in variables])))
-            for sub_path, variables in leaves.items()]))
-    return StackedLayers(tuple(stacked), nnx.from_flat_state(rest), runs)
+    for run in runs:
+        present = [i for i in run if i in layers]
+        if present and len(present) != len(run):
+            raise ValueError(f"layers {list(run)} do not all hold this state's parameters: "
+                             "they are not one run of identical blocks")
+        stacked.append(stack([layers[i] for i in run]) if present else nnx.State({}))
+    return StackedLayers(tuple(stacked), rest, runs)
 
 
 def unstack_layers(stacked: StackedLayers) -> nnx.State:
-    """The per-layer state again (the inverse of `stack_layers`). The split by `jnp.split` makes
-    the gradient of this function one concatenate, which XLA folds away (a slice per layer
-    would transpose to a zero-padded copy of the whole stack per layer)."""
-    flat = list(nnx.to_flat_state(stacked.rest))
+    """The per-layer state again (the inverse of `stack_layers`)."""
+    layers = {}
     for run, run_state in zip(stacked.layer_runs, stacked.runs):
-        for sub_path, variable in nnx.to_flat_state(run_state):
-            parts = jnp.split(variable.get_value(), len(run))
-            flat.extend((("layers", i) + sub_path, variable.replace(part[0])) for i, part in zip(run, parts))
-    return nnx.from_flat_state(flat)
+        if jax.tree.leaves(run_state):
+            layers.update(zip(run, unstack(run_state, len(run))))
+    return nnx.State(_nested_dicts({**stacked.rest, "layers": dict(sorted(layers.items()))} if layers
+                                   else stacked.rest))
+
+
+def _nested_dicts(tree):
+    """Nested States as the plain dicts that nnx.split puts below its top-level State."""
+    if isinstance(tree, (nnx.State, dict)):
+        return {key: _nested_dicts(value) for key, value in tree.items()}
+    return tree
 
 
 def per_layer(tree):

@@ -33,8 +33,8 @@ def causal_attention(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     block = max(QUERY_BLOCK, -(-q.shape[1] // MAX_BLOCKS))
     # Recomputed in the backward pass instead of saved, as flash attention does: the backward keeps
-    # only q, k and v, not every block's [G·n, keys] scores and key prefixes (at T = 1,024, 0.9 GB
-    # of SmolLM2's 1.3 GB of saved values, written and zero-filled at every step; growing as T²).
+    # only q, k and v, not every block's [G·n, keys] scores and key prefixes (0.9 GB for SmolLM2
+    # at T = 1,024, written and zero-filled at every step; growing as T²).
     # The floor (bench/train.py) at T = 1,024: 8.96 → 8.55 s, at 512: 3.72 → 3.53 s (medians of 5,
     # interleaved in one process on the loaded 2-core machine).
     return jax.checkpoint(lambda q, k, v: blocked_causal_attention(q, k, v, block), prevent_cse=False)(q, k, v)
