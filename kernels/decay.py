@@ -7,25 +7,27 @@ forms need three kinds of decay, all e^{(a segment sum of g)} ≤ 1:
     to_end_j     = e^{G_C − G_j}        what token j's write keeps at the chunk's end
     A_ij         = Σ_d x_id y_jd e^{G_id − G_jd},  j ≤ i   the decayed causal scores (x, y = q or k)
 
-Every exponent is a segment sum Σ_{t∈(a,b]} g_t computed directly, by a 0/1 matrix product, never as
-the difference of two cumulative sums, which loses the small exponents next to a −1000 reset. The
+Every decay is e^{g_t} multiplied over its segment (a, b], never e^{G_b − G_a} from the difference of
+two cumulative sums, which loses the small exponents next to a −1000 reset. The
 [C, C, Dk] decay of A is never built either: A's lower triangle is split recursively into halves,
 and the off-diagonal block of each pair of halves factors exactly through the boundary m between
 them,
     e^{G_i − G_j} = e^{G_i − G_m} · e^{G_m − G_j},   i > m ≥ j,   both factors ≤ 1,
-so each of the log2(C) levels costs one exp per element of x/y plus small matmuls.
+so each of the log2(C) levels costs a few products per element of x/y plus small matmuls.
 
     chunk_length(chunk, T)            -> the chunk actually used (a power of two, at most T rounded up)
+    to_chunks(x, C), from_chunks(o, T) -> [B,T,H,...] <-> [N,B,H,C,...], the chunk scan's layout
     chunk_factors(g)                  -> (levels, from_start, to_end), each [..., C, Dg]
     causal_scores(x, y, levels, beta) -> A [..., C, C]  (and, with beta, the delta rule's T⁻¹)
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["chunk_length", "segment_matrices", "chunk_factors", "causal_scores"]
+__all__ = ["chunk_length", "to_chunks", "from_chunks", "segment_matrices", "chunk_factors", "causal_scores"]
 
 
 def chunk_length(chunk: int, T: int) -> int:
@@ -34,6 +36,22 @@ def chunk_length(chunk: int, T: int) -> int:
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two; got {chunk}")
     return min(chunk, 1 << max(T - 1, 0).bit_length())
+
+
+def to_chunks(x, C: int):
+    """[B, T, H, ...] -> [N, B, H, C, ...], zero-padded to N whole chunks: one chunk per step of a
+    scan, its heads batched."""
+    B, T = x.shape[:2]
+    N = -(-T // C)
+    x = jnp.pad(x, [(0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(B, N, C, *x.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+
+def from_chunks(o, T: int):
+    """[N, B, H, C, D] -> [B, T, H, D], dropping the padding."""
+    N, B, H, C, D = o.shape
+    return jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, D)[:, :T]
 
 
 def segment_matrices(C: int) -> np.ndarray:
@@ -56,20 +74,60 @@ def segment_matrices(C: int) -> np.ndarray:
     return np.stack(levels).astype(np.float32)
 
 
+def _prefix_products(log_gate):
+    """The factors of `chunk_factors`, as products of the per-token factors a_t = e^{g_t} ≤ 1.
+
+    Walking up the tree, P holds inclusive prefix products and S exclusive suffix products inside
+    blocks of h tokens; the level-h factor is S on the lower half of each 2h block (e^{G_m − G_j})
+    and P on its upper half (e^{G_i − G_m}), and doubling h multiplies each half by the other
+    half's total. Multiplying factors in (0, 1] never cancels: each result is within C roundings
+    of the exact one, and a −1000 reset gives 0 for every product across it."""
+    C = log_gate.shape[-2]
+    a = jnp.exp(log_gate)
+    prefix, suffix = a, jnp.ones_like(a)
+    levels = []
+    h = 1
+    while h < C:
+        pairs = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
+        p, s = pairs(prefix), pairs(suffix)
+        levels.append(jnp.concatenate([s[..., 0, :, :], p[..., 1, :, :]], axis=-2).reshape(a.shape))
+        lower_total, upper_total = p[..., 0, h - 1:, :], p[..., 1, h - 1:, :]
+        prefix = jnp.stack([p[..., 0, :, :], p[..., 1, :, :] * lower_total], axis=-3).reshape(a.shape)
+        suffix = jnp.stack([s[..., 0, :, :] * upper_total, s[..., 1, :, :]], axis=-3).reshape(a.shape)
+        h *= 2
+    return levels, prefix, suffix
+
+
+@jax.custom_vjp
 def chunk_factors(log_gate):
     """log_gate [..., C, Dg] (fp32, ≤ 0; Dg = 1 broadcasts a scalar gate) -> (levels, from_start,
     to_end): the tree's level factors (a list of log2(C) arrays) and the two chunk-edge decays,
     all [..., C, Dg] and ≤ 1.
 
-    Each segment sum is one [C, C] 0/1 product batched over the leading axes, so the result keeps
-    Dg minor, the layout every consumer reads. Measured alternatives were slower on a 2-core CPU
-    (GDN forward at T=4096, D=128: 0.18 s this way): one product for all levels, transposed
-    (0.23 s; without a barrier XLA:CPU re-reads it strided inside every consumer), and the sums
-    built by doubling with additions only (0.22 s, 2× slower backward)."""
-    C = log_gate.shape[-2]
-    batch = log_gate.shape[:-2]
-    factors = [jnp.exp(jnp.broadcast_to(m, (*batch, C, C)) @ log_gate) for m in jnp.asarray(segment_matrices(C))]
-    return factors[:-2], factors[-2], factors[-1]
+    Forward: products of e^{g_t} (`_prefix_products`): one exp per token, then elementwise
+    products. Backward: each factor is f = e^{M g} for a 0/1 segment matrix M, so the gradient is
+    Σ Mᵀ (f ⊙ df), one matrix product over all factors. Measured on a 2-core CPU (GDN at T=4096,
+    D=128, an interleaved A/B): forward 290 → 229 ms against computing every factor as e^{M g}
+    (seven [C, C] products and seven exps per chunk), forward + backward unchanged; differentiating
+    through the products instead made the backward 1.3× slower."""
+    return _prefix_products(log_gate)
+
+
+def _chunk_factors_forward(log_gate):
+    factors = _prefix_products(log_gate)
+    return factors, factors
+
+
+def _chunk_factors_backward(factors, grads):
+    levels, from_start, to_end = factors
+    level_grads, d_from_start, d_to_end = grads
+    C = from_start.shape[-2]
+    weighted = jnp.stack([f * df for f, df in zip([*levels, from_start, to_end],
+                                                 [*level_grads, d_from_start, d_to_end])], axis=-3)
+    return (jnp.einsum("lpc,...lpd->...cd", jnp.asarray(segment_matrices(C)), weighted),)
+
+
+chunk_factors.defvjp(_chunk_factors_forward, _chunk_factors_backward)
 
 
 def _merge(prev, cross):

@@ -116,6 +116,13 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 #
 # The decays inside a chunk (Γ, e^{G_C − G}, and the decayed scores A^{qk} and A with T⁻¹) come
 # from decay.py, exact at any gate.
+#
+# All of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
+# blocks stay in cache between the dozens of small operations on them; the step is recomputed in
+# the backward (jax.checkpoint) rather than its intermediates stored. Measured on a 2-core CPU
+# against forming everything for all chunks at once and scanning only the state (interleaved A/B,
+# under load): B 1, H 8, D 128, T 4,096 forward 229 → 150 ms and forward + backward 0.94 → 0.77 s;
+# SmolLM2's shapes (H 9, D 64, T 512) 9.4 → 7.5 ms and 49 → 42 ms.
 
 
 def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK):
@@ -123,39 +130,24 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
     `chunk` (a power of two) is the block length; any T works (padded inside with β = 0,
     log α = 0, which leaves the state unchanged). Memory is linear in T."""
     q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
-    B, T, H, Dk = q.shape
+    T = q.shape[1]
     C = decay.chunk_length(chunk, T)
-    N = -(-T // C)
 
-    def blocks(x):  # [B,T,H,...] -> [B,H,N,C,...], zero-padded in time
-        x = jnp.pad(x, [(0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(B, N, C, *x.shape[2:])
-        return jnp.moveaxis(x, 3, 1)
-
-    q32, k32, v32, la, beta32 = map(blocks, (q32, k32, v32, la, beta32))
-    tree, from_start, to_end = decay.chunk_factors(la)    # [B,H,N,C,Dg] each, all ≤ 1
-    a_qk, t_inv = decay.causal_scores(q32, k32, tree, beta32)   # A^{qk} and T⁻¹, [B,H,N,C,C]
-    t_inv = t_inv * beta32[..., None, :]                   # T⁻¹Diag(β): then W and Ũ are two matmuls
-    w = t_inv @ (k32 * from_start)                         # W [B,H,N,C,Dk]
-    u_tilde = t_inv @ v32                                  # Ũ [B,H,N,C,Dv]
-    k_out_t = jnp.swapaxes(k32 * to_end, -1, -2)           # (k_j ⊙ e^{G_C − G_j})ᵀ [B,H,N,Dk,C]
-    chunk_decay = from_start[..., -1, :]                   # Γ_C [B,H,N,Dg]
-    q_in = q32 * from_start                                # q_i ⊙ Γ_i
-
-    # The outputs are formed inside the scan, so it hands back o [C, Dv] per chunk rather than
-    # the [Dk, Dv] state each chunk starts from (stacking those states cost as much as the scan).
-    def chunk_step(S, x):
-        w_and_q, u_tilde, k_out_t, chunk_decay, a_qk = x
+    def chunk_step(S, x):                                  # S: the state entering the chunk
+        q, k, v, la, beta = x                              # [B,H,C,...]
+        tree, from_start, to_end = decay.chunk_factors(la)          # [B,H,C,Dg] each, all ≤ 1
+        a_qk, t_inv = decay.causal_scores(q, k, tree, beta)         # A^{qk} and T⁻¹, [B,H,C,C]
+        t_inv = t_inv * beta[..., None, :]                 # T⁻¹Diag(β): then W and Ũ are two matmuls
+        w_and_q = jnp.concatenate([t_inv @ (k * from_start), q * from_start], axis=-2)
         read = w_and_q @ S                                 # [W; Q⊙Γ] S_0 in one product
-        u = u_tilde - read[..., :C, :]
+        u = t_inv @ v - read[..., :C, :]                   # U = Ũ − W S_0
         o = read[..., C:, :] + a_qk @ u
-        return chunk_decay[..., None] * S + k_out_t @ u, o
+        k_out_t = jnp.swapaxes(k * to_end, -1, -2)         # (k_j ⊙ e^{G_C − G_j})ᵀ
+        return from_start[..., -1, :, None] * S + k_out_t @ u, o
 
-    along_n = lambda x: jnp.moveaxis(x, 2, 0)
-    xs = (jnp.concatenate([w, q_in], axis=-2), u_tilde, k_out_t, chunk_decay, a_qk)
-    S_final, o = jax.lax.scan(chunk_step, S0, tuple(map(along_n, xs)))
-    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, N * C, H, -1)[:, :T] * scale   # [N,B,H,C,Dv] -> [B,T,H,Dv]
-    return o.astype(v.dtype), S_final
+    xs = tuple(decay.to_chunks(x, C) for x in (q32, k32, v32, la, beta32))
+    S_final, o = jax.lax.scan(jax.checkpoint(chunk_step), S0, xs)
+    return (decay.from_chunks(o, T) * scale).astype(v.dtype), S_final
 
 
 # ------------------------------------------------------------------ Pallas (GPU)

@@ -100,7 +100,8 @@ def step(q, k, v, log_alpha, *, state=None, scale=None):
 # The three decays (from the chunk start, to its end, and the per-channel pair decay inside the
 # causal scores) come from decay.py, which forms every exponent as a sum of exactly the gates it
 # spans and never builds the [C, C, Dk] pair decay: exact next to a −1000 reset, no overflow.
-# Everything but the state is computed for all chunks at once; the scan over chunks carries S.
+# As in gdn.py, all of a chunk's work runs in one step of the scan over chunks (its blocks stay in
+# cache), recomputed in the backward rather than stored.
 
 
 def chunked_scan(q, k, v, log_gate, state, chunk):
@@ -116,31 +117,23 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
     C = decay.chunk_length(chunk, T)
     if T == 0:
         return jnp.zeros((B, 0, H, Dv), jnp.float32), state
-    N = -(-T // C)
 
-    def blocks(x):  # [B,T,H,D] -> [B,H,N,C,D], zero-padded in time
-        x = jnp.pad(x, ((0, 0), (0, N * C - T), (0, 0), (0, 0)))
-        return x.reshape(B, N, C, H, x.shape[-1]).transpose(0, 3, 1, 2, 4)
-
-    q, k, v = map(blocks, (q, k, v))
-    if log_gate is None:
-        scores = jnp.tril(q @ jnp.swapaxes(k, -1, -2))      # causal q kᵀ, no decay
-        q_in, k_out, chunk_decay = q, k, jnp.ones((B, H, N, Dk), jnp.float32)
-    else:
-        levels, from_start, to_end = decay.chunk_factors(blocks(log_gate))
-        scores = decay.causal_scores(q, k, levels)           # [B,H,N,C,C]
-        q_in, k_out, chunk_decay = q * from_start, k * to_end, from_start[..., -1, :]
-
-    def chunk_step(S, xs):
-        q_in, k_out_t, v, scores, chunk_decay = xs
+    def chunk_step(S, x):                                    # S: the state entering the chunk
+        q, k, v, log_gate = x                                # [B,H,C,...]
+        if log_gate is None:
+            scores = jnp.tril(q @ jnp.swapaxes(k, -1, -2))   # causal q kᵀ, no decay
+            q_in, k_out, chunk_decay = q, k, None
+        else:
+            levels, from_start, to_end = decay.chunk_factors(log_gate)
+            scores = decay.causal_scores(q, k, levels)       # [B,H,C,C]
+            q_in, k_out, chunk_decay = q * from_start, k * to_end, from_start[..., -1, :, None]
         o = q_in @ S + scores @ v
-        return chunk_decay[..., None] * S + k_out_t @ v, o
+        S = S if chunk_decay is None else chunk_decay * S
+        return S + jnp.swapaxes(k_out, -1, -2) @ v, o
 
-    along_n = lambda x: jnp.moveaxis(x, 2, 0)
-    xs = (q_in, jnp.swapaxes(k_out, -1, -2), v, scores, chunk_decay)
-    state, o = lax.scan(chunk_step, state, tuple(map(along_n, xs)))
-    o = o.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, Dv)[:, :T]   # [N,B,H,C,Dv] -> [B,T,H,Dv]
-    return o, state
+    xs = tuple(None if x is None else decay.to_chunks(x, C) for x in (q, k, v, log_gate))
+    state, o = lax.scan(jax.checkpoint(chunk_step), state, xs)
+    return decay.from_chunks(o, T), state
 
 
 def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK):
