@@ -121,10 +121,13 @@ def _chunk_factors_forward(log_gate):
 def _chunk_factors_backward(factors, grads):
     levels, from_start, to_end = factors
     level_grads, d_from_start, d_to_end = grads
-    C = from_start.shape[-2]
-    weighted = jnp.stack([f * df for f, df in zip([*levels, from_start, to_end],
-                                                 [*level_grads, d_from_start, d_to_end])], axis=-3)
-    return (jnp.einsum("lpc,...lpd->...cd", jnp.asarray(segment_matrices(C)), weighted),)
+    *batch, C, Dg = from_start.shape
+    weighted = jnp.concatenate([f * df for f, df in zip([*levels, from_start, to_end],
+                                                       [*level_grads, d_from_start, d_to_end])], axis=-2)
+    # Mᵀ broadcast over the batch keeps Dg minor: one batched [C, L·C] × [L·C, Dg] product, where a
+    # single shared Mᵀ would make XLA transpose `weighted` to put L·C minor.
+    transposed = np.concatenate(list(segment_matrices(C)), axis=0).T            # [C, L·C]
+    return (jnp.broadcast_to(jnp.asarray(transposed), (*batch, *transposed.shape)) @ weighted,)
 
 
 chunk_factors.defvjp(_chunk_factors_forward, _chunk_factors_backward)
