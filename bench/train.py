@@ -9,7 +9,8 @@ one warm-up call:
   frozen. Any training step of new parameters inside the model pays at least this;
 - the training step (`make_train_step`, as `linjax train` runs it: loss, gradient of the
   trainable parameters, clipping, AdamW) of the paper's final recipe (GDN + window 56 +
-  sinks 8 + short conv), of GDN + w56 + s8 without the convolution, and of pure GLA.
+  sinks 8 + short conv), of GDN + w56 + s8 without the convolution, of pure GDN and pure GLA,
+  and of the final recipe with the layer-wise attention-transfer objective.
 PyTorch: transformers' LlamaForCausalLM from the same GGUF file, SDPA attention, with as many
 threads as JAX uses cores. Prints a Markdown table and writes JSON (rewritten after every
 row, so a run cut short keeps what it measured).
@@ -47,10 +48,14 @@ from linjax.train.loop import make_optimizer, make_train_step, place_train_state
 from linjax.train.cross_entropy import cross_entropy
 from linjax.train.objectives import next_token_loss
 
+FINAL_RECIPE = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv")
+# name -> (linearization, training objective)
 STEPS = {
-    "gdn+w56+s8+shortconv": linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv"),
-    "gdn+w56+s8": linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8),
-    "gla (pure)": linjax.LinearizeConfig(mechanism="gla", window=0, sinks=0),
+    "gdn+w56+s8+shortconv": (FINAL_RECIPE, "ce"),
+    "gdn+w56+s8": (linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8), "ce"),
+    "gdn (pure)": (linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0), "ce"),
+    "gla (pure)": (linjax.LinearizeConfig(mechanism="gla", window=0, sinks=0), "ce"),
+    "gdn+w56+s8+shortconv, attention transfer": (FINAL_RECIPE, "attention_transfer"),
 }
 
 
@@ -116,12 +121,12 @@ def linjax_calls(base, seq_len):
             "floor": lambda: jax.block_until_ready(floor(params, tokens))}
 
 
-def train_step_call(base, config, seq_len, mesh):
+def train_step_call(base, config, seq_len, mesh, objective="ce"):
     """One `linjax train` step of `config`, state placed exactly as the training loop places it."""
     model = linjax.linearize(base, config, seed=1)
     optimizer, _ = make_optimizer(TrainSection(steps=100, seq_len=seq_len, warmup_steps=10), config.adapter)
     graphdef, trainable, opt_state, frozen, _ = place_train_state(model, optimizer, mesh)
-    step = make_train_step(graphdef, optimizer, "ce", mesh)
+    step = make_train_step(graphdef, optimizer, objective, mesh)
     state = [trainable, opt_state]
     batch = sharding.put_batch(batch_tokens(seq_len), mesh)
 
@@ -167,8 +172,8 @@ def main():
             record("PyTorch", what, seq_len, call)
         for what, call in linjax_calls(base, seq_len).items():
             record("linjax", what, seq_len, call)
-        for name, config in ({} if args.no_train_steps else STEPS).items():
-            record("linjax", f"train step: {name}", seq_len, train_step_call(base, config, seq_len, mesh))
+        for name, (config, objective) in ({} if args.no_train_steps else STEPS).items():
+            record("linjax", f"train step: {name}", seq_len, train_step_call(base, config, seq_len, mesh, objective))
     print(markdown(rows))
     print(f"wrote {args.out}")
 
