@@ -345,12 +345,13 @@ def test_attention_transfer_is_zero_only_where_the_student_is_exact():
 
 def test_attention_transfer_scanned_by_run_equals_the_layer_by_layer_loss():
     """The students run as one scan per run of identical layers; the loss and its gradient equal
-    the plain mean over linearized layers, here on a hybrid (layers 0, 3 linear, 1, 2 softmax)
-    and on a model with every layer linear."""
+    the plain mean over linearized layers, here on a hybrid whose runs are one linear layer, one
+    softmax layer and two linear layers."""
     import jax.numpy as jnp
     from linjax.config import tiny_config
     from linjax.mixers.softmax import SoftmaxAttention, pretrained_attention
     from linjax.model import CausalLM, token_positions
+    from linjax.scan import layer_runs
     from linjax.train.objectives import attention_transfer_loss
 
     def layer_by_layer(model, tokens):
@@ -362,13 +363,13 @@ def test_attention_transfer_scanned_by_run_equals_the_layer_by_layer_loss():
 
     base = CausalLM(tiny_config("llama", num_hidden_layers=4), rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, 128, (2, 24)).astype(np.int32)
-    for keep in [(1, 2), ()]:
-        model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=8, sinks=2, adapter="shortconv",
-                                                               keep_full_attention=keep))
-        graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
-        grads = [jax.grad(lambda t, f=f: f(nnx.merge(graphdef, t, frozen), tokens))(trainable)
-                 for f in (attention_transfer_loss, layer_by_layer)]
-        np.testing.assert_allclose(float(attention_transfer_loss(model, tokens)), float(layer_by_layer(model, tokens)),
-                                   rtol=1e-6)
-        for scanned, plain in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
-            np.testing.assert_allclose(scanned, plain, rtol=1e-5, atol=1e-8)
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=8, sinks=2, adapter="shortconv",
+                                                           keep_full_attention=(1,)))
+    assert layer_runs(model.layers) == [[0], [1], [2, 3]]
+    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+    grads = [jax.grad(lambda t, f=f: f(nnx.merge(graphdef, t, frozen), tokens))(trainable)
+             for f in (attention_transfer_loss, layer_by_layer)]
+    np.testing.assert_allclose(float(attention_transfer_loss(model, tokens)), float(layer_by_layer(model, tokens)),
+                               rtol=1e-6)
+    for scanned, plain in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(scanned, plain, rtol=1e-5, atol=1e-8)
