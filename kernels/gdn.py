@@ -120,9 +120,11 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 # All of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
 # blocks stay in cache between the dozens of small operations on them; the step is recomputed in
 # the backward (jax.checkpoint) rather than its intermediates stored. Measured on a 2-core CPU
-# against forming everything for all chunks at once and scanning only the state (interleaved A/B,
-# under load): B 1, H 8, D 128, T 4,096 forward 229 → 150 ms and forward + backward 0.94 → 0.77 s;
-# SmolLM2's shapes (H 9, D 64, T 512) 9.4 → 7.5 ms and 49 → 42 ms.
+# against forming everything for all chunks at once and scanning only the state (same-process
+# A/B, quiet): B 1, H 8, D 128, T 4,096 forward 0.21 → 0.15 s, forward + backward unchanged
+# (about 0.62 s; also at SmolLM2's shapes). Inside a training step it saves memory and time: the
+# final recipe's step on SmolLM2 at 512 tokens keeps 2,260 → 1,421 MB of temporaries and takes
+# about 4.3 → 3.3 s.
 
 
 def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK):

@@ -98,8 +98,8 @@ def step(q, k, v, log_alpha, *, state=None, scale=None):
 #   o_a = (q_a ⊙ exp Σ_{i≤a} g_i)ᵀ S_0 + Σ_{b≤a} (Σ_d q_ad k_bd exp Σ_{b<i≤a} g_id) v_b
 #   S_C = Diag(exp Σ_i g_i) S_0 + Σ_b (k_b ⊙ exp Σ_{i>b} g_i) v_bᵀ
 # The three decays (from the chunk start, to its end, and the per-channel pair decay inside the
-# causal scores) come from decay.py, which forms every exponent as a sum of exactly the gates it
-# spans and never builds the [C, C, Dk] pair decay: exact next to a −1000 reset, no overflow.
+# causal scores) come from decay.py, which forms every decay as a product of the per-token factors
+# e^{g} it spans and never builds the [C, C, Dk] pair decay: exact next to a −1000 reset, no overflow.
 # As in gdn.py, all of a chunk's work runs in one step of the scan over chunks (its blocks stay in
 # cache), recomputed in the backward rather than stored.
 
