@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linjax.kernels import decay, gdn_pallas_backward
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
@@ -34,7 +33,9 @@ __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "PALLAS_CHUNK"]
 
 # Default chunk of `chunked`: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took 0.66 s
 # with 32, 0.72 s with 64 and 0.69 s with 16 (forward 0.21, 0.25, 0.19 s): the 64-wide block inverse
-# and decay tree cost more than the shorter scan over chunks saves.
+# and decay tree cost more than the shorter scan over chunks saves. With each chunk's work inside the
+# scan (below), 64 still had the slowest forward (0.19–0.21 s against 0.15–0.16 s, under load) and
+# 16 measured within noise of 32.
 CHUNK = 32
 # Default chunk of `pallas`: that measurement does not carry over, since the kernel solves each chunk
 # in 16-token sub-chunks with the state held in registers, and a longer chunk means fewer serial
