@@ -15,6 +15,14 @@ os.environ.setdefault("LINJAX_TESTS_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS",
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                                    "--xla_llvm_disable_expensive_passes=true")
 
+# PyTorch on one thread, in the workers and every subprocess (set before torch is imported). Its
+# OpenMP threads meet at a barrier after each op, and on 2 cores shared by pytest-xdist's two
+# workers one of them is usually descheduled, so every op waits for a time slice: the PyTorch half
+# of the LLaMA export test (tiny models, thousands of small ops) took 100 s with torch's default
+# threads next to a 2-thread JAX process and 9.8 s with one thread, same results. The tests'
+# models are small; what the benchmarks time sets its own thread counts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # One XLA compilation cache for the session, shared through the environment by pytest-xdist's
 # workers and the tests' subprocesses (training runs killed and resumed, exports, CLI runs):
 # a program one process compiled, another loads instead of compiling it again. A fresh folder
