@@ -10,6 +10,10 @@ gate) and GLA at B = 1, H = 8:
 
     linjax chunked     kernels.<mech>.chunked, jitted (the training path)
     linjax reference   kernels.<mech>.reference, the fp32 lax.scan spec, jitted
+    state recurrence alone, C=32 / C=128
+                       GDN only: the part of any chunked form that runs chunk after
+                       chunk (`state_recurrence_alone`), with no work inside the chunks;
+                       a lower bound for `linjax chunked` on this machine
     FLA naive          fla/ops/kda/naive.py naive_chunk_kda (GDN) and
                        fla/ops/gla/naive.py naive_recurrent_gla (GLA), PyTorch
 and causal softmax attention as the quadratic baseline:
@@ -78,7 +82,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from linjax.files import write_json, write_text  # noqa: E402
-from linjax.kernels import gdn, gla  # noqa: E402
+from linjax.kernels import decay, gdn, gla  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
 
@@ -168,6 +172,27 @@ def jax_method(fn, args):
     return (lambda: fwd(*args)), (lambda: grad(*args)), jax_block
 
 
+def state_recurrence_alone(q, k, v, log_alpha, beta, chunk):
+    """What every chunk-parallel delta rule must run sequentially, and nothing else: per chunk of C
+    tokens and head, the reads [W; Q⊙Γ] S (one [2C, D] × [D, D] product), U = Ũ − W S, the
+    outputs (Q⊙Γ) S + A U and the state update Diag(Γ_C) S + (K ⊙ e^{G_C − G})ᵀ U
+    (kernels/gdn.py). k, v and a fixed [C, C] matrix stand in for W, Ũ and A, which `gdn.chunked`
+    must also compute (the decay tree, T⁻¹): this times the floor under it, not a usable kernel."""
+    B, T, H, D = q.shape
+    xs = tuple(decay.to_chunks(x, chunk) for x in (q, k, v, log_alpha))
+    scores = jnp.tril(jnp.ones((chunk, chunk), jnp.float32)) / chunk
+
+    def step(S, x):
+        q, k, v, la = x
+        read = jnp.concatenate([k, q], axis=-2) @ S
+        u = v - read[..., :chunk, :]
+        o = read[..., chunk:, :] + scores @ u
+        return jnp.exp(la[..., -1, :])[..., None] * S + jnp.swapaxes(k, -1, -2) @ u, o
+
+    S, o = jax.lax.scan(step, jnp.zeros((B, H, D, v.shape[-1]), jnp.float32), xs)
+    return decay.from_chunks(o, T), S
+
+
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -207,6 +232,10 @@ def methods(mech, D):
     module = gdn if mech == "gdn" else gla
     table = {"linjax chunked": (lambda a: jax_method(module.chunked, a), none),
              "linjax reference": (lambda a: jax_method(module.reference, a), state_per_step)}
+    if mech == "gdn":
+        for C in (gdn.CHUNK, 128):
+            table[f"state recurrence alone, C={C}"] = (
+                lambda a, C=C: jax_method(lambda *x: state_recurrence_alone(*x, chunk=C), a), none)
     if mech == "gdn" and (kda := fla_naive("kda")) is not None:
         table["FLA naive_chunk_kda"] = (
             lambda a: torch_method(lambda q, k, v, g, b: kda.naive_chunk_kda(q, k, v, g, b), a),
@@ -330,6 +359,15 @@ def targets(rows):
         "chunked GDN / chunked GLA, fwd+bwd at T=4096 (≥ 1)":
             ratio(g("linjax chunked", 4096, "fwd+bwd"), g("linjax chunked", 4096, "fwd+bwd", mech="gla")),
     }
+    # The floor: the sequential state work alone, at the kernel's chunk and at a long one. A ratio
+    # below a target here means no chunked form of this shape reaches that target on this machine.
+    for C in (gdn.CHUNK, 128):
+        alone = g(f"state recurrence alone, C={C}", 4096)
+        out[f"state recurrence alone, C={C}, fwd at T=4096 (s; lower bound for chunked GDN)"] = alone
+        out[f"FLA naive_chunk_kda / state recurrence alone, C={C}, at T=4096 (best reachable, target 20)"] = \
+            ratio(g("FLA naive_chunk_kda", 4096), alone)
+        out[f"SDPA / state recurrence alone, C={C}, at T=4096 (best reachable, target 2.5)"] = \
+            ratio(g("torch SDPA", 4096, mech="softmax"), alone)
     return out
 
 
