@@ -10,10 +10,11 @@ gate) and GLA at B = 1, H = 8:
 
     linjax chunked     kernels.<mech>.chunked, jitted (the training path)
     linjax reference   kernels.<mech>.reference, the fp32 lax.scan spec, jitted
-    state recurrence alone, C=32 / C=128
-                       GDN only: the part of any chunked form that runs chunk after
-                       chunk (`state_recurrence_alone`), with no work inside the chunks;
-                       a lower bound for `linjax chunked` on this machine
+    state recurrence alone, C=32 / C=128 (, outputs after)
+                       GDN only: what any chunked form computes besides its in-chunk
+                       work (`state_recurrence_alone`), outputs inside the scan over
+                       chunks or after it; the fastest is a lower bound for
+                       `linjax chunked` on this machine
     FLA naive          fla/ops/kda/naive.py naive_chunk_kda (GDN) and
                        fla/ops/gla/naive.py naive_recurrent_gla (GLA), PyTorch
 and causal softmax attention as the quadratic baseline:
@@ -374,9 +375,9 @@ def targets(rows):
     # The floor: the state work alone, at the kernel's chunk and a long one, outputs inside the scan
     # or after it; the fastest of the four. A ratio below a target here means no chunked form of
     # this shape reaches that target on this machine.
-    floors = [f"state recurrence alone, C={C}" + after for C in (gdn.CHUNK, 128) for after in ("", ", outputs after")]
     for T in (4096, 16384):
-        times = [t for name in floors if (t := g(name, T)) is not None]
+        times = [r["fwd"] for r in rows if r["impl"].startswith("state recurrence alone") and r["D"] == D
+                 and r["T"] == T and isinstance(r["fwd"], float)]
         floor = min(times) if times else None
         out[f"state recurrence alone, fastest, fwd at T={T} (s; lower bound for chunked GDN)"] = floor
         out[f"SDPA / state recurrence alone, fwd at T={T} (best reachable; target {2.5 if T == 4096 else 10})"] = \
