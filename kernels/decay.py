@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linjax.kernels import scaling, triangular
+
 __all__ = ["chunk_length", "to_chunks", "from_chunks", "segment_matrices", "chunk_factors", "causal_scores"]
 
 
@@ -133,40 +135,28 @@ def _chunk_factors_backward(factors, grads):
 chunk_factors.defvjp(_chunk_factors_forward, _chunk_factors_backward)
 
 
-def _merge(prev, cross):
-    """Blocks [..., 2n, h, h] (diagonal) and [..., n, h, h] (lower-left) -> [..., n, 2h, 2h]."""
-    n, h = cross.shape[-3], cross.shape[-1]
-    prev = prev.reshape(*prev.shape[:-3], n, 2, h, h)
-    zero = jnp.zeros_like(cross)
-    top = jnp.concatenate([prev[..., 0, :, :], zero], axis=-1)
-    bottom = jnp.concatenate([cross, prev[..., 1, :, :]], axis=-1)
-    return jnp.concatenate([top, bottom], axis=-2)
-
-
 def causal_scores(q, k, levels, beta=None):
     """A = tril(Q Kᵀ ⊙ decay) [..., C, C] (diagonal included, decay 1 there) from the level
     factors of `chunk_factors`: the recursive halving above. q, k [..., C, Dk].
 
-    With `beta` [..., C] (the delta rule), also returns T⁻¹ = (I + Diag(β) tril₋₁(K Kᵀ ⊙ decay))⁻¹,
-    built in the same pass by 2×2 block inversion of a unit lower-triangular matrix,
-        [[P, 0], [X, R]]⁻¹ = [[P⁻¹, 0], [−R⁻¹ X P⁻¹, R⁻¹]],
-    merging the inverses of the two halves with the cross block X of the same level. That is
-    forward substitution in blocks, as exact, using matrix products only: no LAPACK call, whose
-    XLA:CPU kernel can deadlock the worker pool it shares with other ops (issue 15)."""
+    With `beta` [..., C] (the delta rule), also returns T⁻¹ = (I + Diag(β) tril₋₁(K Kᵀ ⊙ decay))⁻¹:
+    each level's cross blocks of Diag(β) K Kᵀ ⊙ decay are the off-diagonal blocks of T at that
+    level, and `triangular.unit_lower_inverse` inverts T from them by forward substitution in
+    blocks (matrix products only: no LAPACK call, whose XLA:CPU kernel can deadlock the worker
+    pool it shares with other ops, issue 15), with a closed-form backward."""
     C = q.shape[-2]
-    scores = jnp.sum(q * k, axis=-1)[..., None, None]        # [..., C, 1, 1]: decay 1 on the diagonal
-    t_inv = None if beta is None else jnp.ones_like(scores)  # 1 × 1 blocks of a unit diagonal
+    scores = scaling.row_sums(q * k)[..., None, None]       # [..., C, 1, 1]: decay 1 on the diagonal
+    crosses = []                                             # T's off-diagonal blocks, level by level
     for level, f in enumerate(levels):
         h = 2 ** level
         split = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
         qf, kf = split(q * f), split(k * f)
         lower = kf[..., 0, :, :]                               # e^{G_m − G_j} k_j
-        scores = _merge(scores, jnp.einsum("...nid,...njd->...nij", qf[..., 1, :, :], lower))
+        scores = triangular.merge_blocks(scores, jnp.einsum("...nid,...njd->...nij", qf[..., 1, :, :], lower))
         if beta is not None:
-            cross = split(beta[..., None])[..., 1, :, :] * jnp.einsum("...nid,...njd->...nij",
-                                                                      kf[..., 1, :, :], lower)
-            halves = t_inv.reshape(*t_inv.shape[:-3], C // (2 * h), 2, h, h)
-            first, second = halves[..., 0, :, :], halves[..., 1, :, :]
-            t_inv = _merge(t_inv, -(second @ cross @ first))
+            crosses.append(split(beta[..., None])[..., 1, :, :] * jnp.einsum("...nid,...njd->...nij",
+                                                                             kf[..., 1, :, :], lower))
     scores = scores[..., 0, :, :]
-    return scores if beta is None else (scores, t_inv[..., 0, :, :])
+    if beta is None:
+        return scores
+    return scores, triangular.unit_lower_inverse(crosses) if crosses else jnp.ones_like(scores)  # C = 1: T = I

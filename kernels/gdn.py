@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import decay, gdn_pallas_backward
+from linjax.kernels import decay, gdn_pallas_backward, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
 from linjax.kernels.pallas_common import default_interpret
@@ -140,13 +140,13 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
         q, k, v, la, beta = x                              # [B,H,C,...]
         tree, from_start, to_end = decay.chunk_factors(la)          # [B,H,C,Dg] each, all ≤ 1
         a_qk, t_inv = decay.causal_scores(q, k, tree, beta)         # A^{qk} and T⁻¹, [B,H,C,C]
-        t_inv = t_inv * beta[..., None, :]                 # T⁻¹Diag(β): then W and Ũ are two matmuls
+        t_inv = scaling.scale_cols(t_inv, beta)            # T⁻¹Diag(β): then W and Ũ are two matmuls
         w_and_q = jnp.concatenate([t_inv @ (k * from_start), q * from_start], axis=-2)
         read = w_and_q @ S                                 # [W; Q⊙Γ] S_0 in one product
         u = t_inv @ v - read[..., :C, :]                   # U = Ũ − W S_0
         o = read[..., C:, :] + a_qk @ u
         k_out_t = jnp.swapaxes(k * to_end, -1, -2)         # (k_j ⊙ e^{G_C − G_j})ᵀ
-        return from_start[..., -1, :, None] * S + k_out_t @ u, o
+        return scaling.scale_rows(from_start[..., -1, :], S) + k_out_t @ u, o
 
     xs = tuple(decay.to_chunks(x, C) for x in (q32, k32, v32, la, beta32))
     S_final, o = jax.lax.scan(jax.checkpoint(chunk_step), S0, xs)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linjax.kernels import decay, gla_pallas_backward
+from linjax.kernels import decay, gla_pallas_backward, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
 from linjax.kernels.pallas_common import default_interpret
@@ -126,9 +126,9 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
         else:
             levels, from_start, to_end = decay.chunk_factors(log_gate)
             scores = decay.causal_scores(q, k, levels)       # [B,H,C,C]
-            q_in, k_out, chunk_decay = q * from_start, k * to_end, from_start[..., -1, :, None]
+            q_in, k_out, chunk_decay = q * from_start, k * to_end, from_start[..., -1, :]
         o = q_in @ S + scores @ v
-        S = S if chunk_decay is None else chunk_decay * S
+        S = S if chunk_decay is None else scaling.scale_rows(chunk_decay, S)
         return S + jnp.swapaxes(k_out, -1, -2) @ v, o
 
     xs = tuple(None if x is None else decay.to_chunks(x, C) for x in (q, k, v, log_gate))
