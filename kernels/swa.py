@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import swa_pallas
+from linjax.kernels import scaling, swa_pallas
 from linjax.kernels.contract import as_token_batch, check_qkv, default_scale
 from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
 
@@ -63,7 +63,8 @@ class SoftmaxParts(NamedTuple):
     row_sum: jax.Array  # Σ_{j∈I_t} exp(s_tj − m_t)
 
     def normalized(self):
-        return self.numerator / self.row_sum[..., None]
+        # a scaling whose gradient is a matrix-vector product, not an XLA:CPU reduction (scaling.py)
+        return scaling.scale_rows(1.0 / self.row_sum, self.numerator)
 
 
 class WindowCache(NamedTuple):
@@ -106,7 +107,7 @@ def _combine(scores_and_values):
     numerator, row_sum = 0.0, 0.0
     for m, (_, mask, weigh_values) in zip(masked, scores_and_values):
         p = jnp.where(mask, jnp.exp(m - row_max[..., None]), 0.0)
-        row_sum = row_sum + p.sum(axis=-1)
+        row_sum = row_sum + scaling.row_sums(p)
         numerator = numerator + weigh_values(p)
     return numerator, row_max, row_sum
 

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from linjax.config import ModelConfig
+from linjax.kernels import scaling
 
 
 class RMSNorm(nnx.Module):
@@ -21,9 +22,11 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        # The mean and the per-token scaling as matrix-vector products (kernels/scaling.py): XLA:CPU's
+        # reduction in the backward cost 2 ms per layer at 512 tokens.
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        inverse_rms = jax.lax.rsqrt(scaling.row_sums(x32 * x32) / x32.shape[-1] + self.eps)
+        return self.weight[...] * scaling.scale_rows(inverse_rms, x32).astype(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:

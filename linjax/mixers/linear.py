@@ -32,15 +32,16 @@ import numpy as np
 from flax import nnx
 
 from linjax.adapters import LoRA, ShortConv
-from linjax.kernels import swa
+from linjax.kernels import scaling, swa
 from linjax.layers import AttentionProjections, Trainable, float32_array
 from linjax.mixers.states import LinearState
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / ‖x‖ over the last axis, in fp32 (as FLA's l2norm)."""
+    """x / ‖x‖ over the last axis, in fp32 (as FLA's l2norm). The sum and the scaling are
+    matrix-vector products in the backward (kernels/scaling.py)."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return scaling.scale_rows(jax.lax.rsqrt(scaling.row_sums(x32 * x32) + eps), x32).astype(x.dtype)
 
 
 class LinearMixer(nnx.Module):
