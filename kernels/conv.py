@@ -67,9 +67,11 @@ def _causal_conv_backward(residuals, dy):
     # d padded[s] = Σ_i w[i] dy[s − i]: the taps reversed, over dy padded by K − 1 on both sides.
     dy_padded = jnp.pad(dy, ((0, 0), (K - 1, K - 1), (0, 0)))
     d_padded = _taps(dy_padded, w[::-1], T + K - 1)
-    # d w[i] = Σ_{b,t} dy[b,t] ⊙ padded[b,t + i]: one contraction per tap.
-    windows = jnp.stack([padded[:, i:i + T] for i in range(K)])  # [K, B, T, C]
-    return d_padded, jnp.einsum("kbtc,btc->kc", windows, dy)
+    # d w[i] = Σ_{b,t} dy[b,t] ⊙ padded[b,t + i]: per tap, a fused product summed over (b, t) by a
+    # vector-matrix product. One einsum over the K stacked windows made XLA:CPU transpose the stack to
+    # put C first (1.5 against 0.8 ms at [511, 576], K 8, under load).
+    ones = jnp.ones((dy.shape[0] * T,), dy.dtype)
+    return d_padded, jnp.stack([ones @ (padded[:, i:i + T] * dy).reshape(-1, dy.shape[-1]) for i in range(K)])
 
 
 _causal_conv.defvjp(_causal_conv_forward, _causal_conv_backward)
