@@ -138,6 +138,17 @@ def train_step_call(base, config, seq_len, mesh, objective="ce"):
     return call
 
 
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AVX-512: hosts of one shared machine differ, and
+    XLA:CPU and PyTorch gain differently from AVX-512, so ratios compare only within one host."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    return f"{name}{', AVX-512' if ' avx512f' in info else ''}"
+
+
 def batch_tokens(seq_len):
     return np.random.default_rng(0).integers(0, 49152, (1, seq_len), dtype=np.int32)
 
@@ -155,6 +166,7 @@ def main():
     import torch
 
     machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+               "cpu_model": cpu_model(),
                "jax": jax.__version__, "torch": torch.__version__, "backend": jax.default_backend(),
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
     rows = []
