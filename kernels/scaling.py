@@ -22,9 +22,14 @@ import jax.numpy as jnp
 __all__ = ["row_sums", "scale_rows", "scale_cols"]
 
 
+# Full fp32 for these products on every backend: a GPU would otherwise round fp32 operands to TF32
+# in a matmul, which a reduction never did (RMSNorm's statistics go through `row_sums`).
+_EXACT = jax.lax.Precision.HIGHEST
+
+
 def row_sums(x):
     """Σ over the last axis, as a product with a vector of ones."""
-    return x @ jnp.ones((x.shape[-1],), x.dtype)
+    return jnp.matmul(x, jnp.ones((x.shape[-1],), x.dtype), precision=_EXACT)
 
 
 @jax.custom_vjp
@@ -61,7 +66,7 @@ def _scale_cols_forward(x, s):
 
 def _scale_cols_backward(saved, grad):
     x, s = saved
-    return grad * s[..., None, :], jnp.ones((x.shape[-2],), x.dtype) @ (grad * x)
+    return grad * s[..., None, :], jnp.matmul(jnp.ones((x.shape[-2],), x.dtype), grad * x, precision=_EXACT)
 
 
 scale_cols.defvjp(_scale_cols_forward, _scale_cols_backward)
