@@ -189,18 +189,18 @@ def state_recurrence_alone(q, k, v, log_alpha, beta, chunk, outputs_after=False)
         return jnp.exp(la[..., -1, :])[..., None] * S + jnp.swapaxes(k, -1, -2) @ u
 
     def step(S, x):
-        q, k, v, la = x
+        q, k, v, la = map(decay.swap_tokens_and_heads, x)   # one chunk's heads first, as gdn.chunked does
         if outputs_after:
             u = v - k @ S
             return update(S, k, u, la), (S, u)
         read = jnp.concatenate([k, q], axis=-2) @ S
         u = v - read[..., :chunk, :]
-        return update(S, k, u, la), read[..., chunk:, :] + scores @ u
+        return update(S, k, u, la), decay.swap_tokens_and_heads(read[..., chunk:, :] + scores @ u)
 
     S, out = jax.lax.scan(step, jnp.zeros((B, H, D, v.shape[-1]), jnp.float32), xs)
     if outputs_after:
-        entering, u = out
-        out = xs[0] @ entering + scores @ u
+        entering, u = out                                   # [N, B, H, ...]
+        out = jnp.swapaxes(jnp.swapaxes(xs[0], 2, 3) @ entering + scores @ u, 2, 3)
     return decay.from_chunks(out, T), S
 
 

@@ -137,7 +137,7 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
     C = decay.chunk_length(chunk, T)
 
     def chunk_step(S, x):                                  # S: the state entering the chunk
-        q, k, v, la, beta = x                              # [B,H,C,...]
+        q, k, v, la, beta = map(decay.swap_tokens_and_heads, x)       # [B,H,C,...]
         tree, from_start, to_end = decay.chunk_factors(la)          # [B,H,C,Dg] each, all ≤ 1
         a_qk, t_inv = decay.causal_scores(q, k, tree, beta)         # A^{qk} and T⁻¹, [B,H,C,C]
         t_inv = scaling.scale_cols(t_inv, beta)            # T⁻¹Diag(β): then W and Ũ are two matmuls
@@ -146,7 +146,7 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
         u = t_inv @ v - read[..., :C, :]                   # U = Ũ − W S_0
         o = read[..., C:, :] + a_qk @ u
         k_out_t = jnp.swapaxes(k * to_end, -1, -2)         # (k_j ⊙ e^{G_C − G_j})ᵀ
-        return scaling.scale_rows(from_start[..., -1, :], S) + k_out_t @ u, o
+        return scaling.scale_rows(from_start[..., -1, :], S) + k_out_t @ u, decay.swap_tokens_and_heads(o)
 
     xs = tuple(decay.to_chunks(x, C) for x in (q32, k32, v32, la, beta32))
     S_final, o = jax.lax.scan(jax.checkpoint(chunk_step), S0, xs)

@@ -119,7 +119,7 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
         return jnp.zeros((B, 0, H, Dv), jnp.float32), state
 
     def chunk_step(S, x):                                    # S: the state entering the chunk
-        q, k, v, log_gate = x                                # [B,H,C,...]
+        q, k, v, log_gate = (None if a is None else decay.swap_tokens_and_heads(a) for a in x)  # [B,H,C,...]
         if log_gate is None:
             scores = jnp.tril(q @ jnp.swapaxes(k, -1, -2))   # causal q kᵀ, no decay
             q_in, k_out, chunk_decay = q, k, None
@@ -129,7 +129,7 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
             q_in, k_out, chunk_decay = q * from_start, k * to_end, from_start[..., -1, :]
         o = q_in @ S + scores @ v
         S = S if chunk_decay is None else scaling.scale_rows(chunk_decay, S)
-        return S + jnp.swapaxes(k_out, -1, -2) @ v, o
+        return S + jnp.swapaxes(k_out, -1, -2) @ v, decay.swap_tokens_and_heads(o)
 
     xs = tuple(None if x is None else decay.to_chunks(x, C) for x in (q, k, v, log_gate))
     state, o = lax.scan(jax.checkpoint(chunk_step), state, xs)
