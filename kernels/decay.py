@@ -46,7 +46,7 @@ def to_chunks(x, C: int):
     scan. The heads stay after the tokens, so for B = 1 this is a reshape, not a copy; each step
     moves its own chunk's heads first (`swap_tokens_and_heads`) while the chunk is in cache.
     Transposing all of q, k, v and the gates to [N, B, H, C, ...] up front cost GDN's forward at
-    T 4,096 (H 8, D 128) about a fifth of its time."""
+    T 4,096 (H 8, D 128) 15–20% of its time in a profile."""
     B, T = x.shape[:2]
     N = -(-T // C)
     x = jnp.pad(x, [(0, 0), (0, N * C - T)] + [(0, 0)] * (x.ndim - 2))
