@@ -142,7 +142,8 @@ def cpu_model() -> str:
     """The CPU's model name and whether it has AVX-512: hosts of one shared machine differ, and
     XLA:CPU and PyTorch gain differently from AVX-512, so ratios compare only within one host."""
     try:
-        info = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as cpuinfo:
+            info = cpuinfo.read()
     except OSError:
         return platform.processor()
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")

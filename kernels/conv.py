@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from linjax.kernels import scaling
+
 DEFAULT_KERNEL_SIZE = 8
 
 
@@ -70,9 +72,8 @@ def _causal_conv_backward(residuals, dy):
     # d w[i] = Σ_{b,t} dy[b,t] ⊙ padded[b,t + i]: per tap, a fused product summed over (b, t) by a
     # vector-matrix product. One einsum over the K stacked windows made XLA:CPU transpose the stack to
     # put C first (1.5 against 0.8 ms at [511, 576], K 8, under load).
-    ones = jnp.ones((dy.shape[0] * T,), dy.dtype)
-    return d_padded, jnp.stack([jnp.matmul(ones, (padded[:, i:i + T] * dy).reshape(-1, dy.shape[-1]),
-                                           precision=jax.lax.Precision.HIGHEST) for i in range(K)])
+    return d_padded, jnp.stack([scaling.column_sums((padded[:, i:i + T] * dy).reshape(-1, dy.shape[-1]))
+                                for i in range(K)])
 
 
 _causal_conv.defvjp(_causal_conv_forward, _causal_conv_backward)

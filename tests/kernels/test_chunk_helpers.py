@@ -74,7 +74,7 @@ def test_scale_rows_matches_broadcast(rows_of_s):
         assert relative_rms(got, want) < 1e-6
 
 
-def test_scale_cols_and_row_sums_match_plain_forms():
+def test_scale_cols_and_the_sums_match_plain_forms():
     key_s, key_x, key_w = jax.random.split(jax.random.PRNGKey(4), 3)
     x = jax.random.normal(key_x, (2, 3, 5, 4))
     s = jax.random.uniform(key_s, (2, 3, 4))
@@ -85,3 +85,4 @@ def test_scale_cols_and_row_sums_match_plain_forms():
     for got, want in zip(jax.grad(loss(scaling.scale_cols), (0, 1))(x, s), jax.grad(loss(plain), (0, 1))(x, s)):
         assert relative_rms(got, want) < 1e-6
     np.testing.assert_allclose(scaling.row_sums(x), jnp.sum(x, axis=-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scaling.column_sums(x), jnp.sum(x, axis=-2), rtol=1e-5, atol=1e-6)
