@@ -219,8 +219,21 @@ def _bench_latency(args):
     latency.main(args)
 
 
+class _PrintVersion(argparse.Action):
+    """`linjax --version`: the version and the folder it runs from, unwrapped (a checkout can sit
+    beside an installed package, and which one runs matters)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and where linjax runs from")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"linjax {linjax.__version__} from {os.path.dirname(linjax.__file__)}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="linjax", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action=_PrintVersion)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a model to an HF directory and/or a linjax checkpoint")
@@ -288,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
-        hugepages.reexec_with_huge_pages(["-c", "from linjax.cli import main; main()", *sys.argv[1:]])
+        hugepages.reexec_module_with_huge_pages("linjax.cli", sys.argv[1:])
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)

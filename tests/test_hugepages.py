@@ -36,8 +36,10 @@ def test_the_linjax_command_starts_again_with_the_tunable(monkeypatch):
     with pytest.raises(Replaced) as replaced:
         cli.main()
     path, args, environ = replaced.value.args
-    assert path == sys.executable and args == [sys.executable, "-c", "from linjax.cli import main; main()", "eval", "ruler",
-                                             "--lengths", "1024"]
+    assert path == sys.executable and args[-4:] == ["eval", "ruler", "--lengths", "1024"]
+    code = args[args.index("-c") + 1]
+    # The new interpreter starts from this one's first sys.path entry, not the working directory.
+    assert code == f"import sys; sys.path[0] = {os.path.abspath(sys.path[0])!r}; from linjax.cli import main; main()"
     assert environ["GLIBC_TUNABLES"] == TUNABLE
     # Started again (the tunable is set), it runs the command instead of replacing itself once more.
     monkeypatch.setenv("GLIBC_TUNABLES", TUNABLE)
@@ -51,3 +53,17 @@ def test_a_subprocess_inherits_it():
                          capture_output=True, text=True, timeout=60)
     # tests/conftest.py put it in this environment, so the suite's subprocesses run as the command does.
     assert (TUNABLE in out.stdout) == (environment_with_huge_pages({}) is not None)
+
+
+def test_the_restarted_interpreter_keeps_the_path_flags(monkeypatch):
+    from linjax import hugepages
+
+    class Flags:
+        isolated, ignore_environment, no_user_site, safe_path = 0, 1, 1, 1
+
+    monkeypatch.setattr(sys, "flags", Flags)
+    seen = []
+    monkeypatch.setattr(hugepages, "reexec_with_huge_pages", seen.append)
+    hugepages.reexec_module_with_huge_pages("linjax.cli", ["--help"])
+    # -P: nothing goes in front of sys.path, so there is no first entry to restore.
+    assert seen == [["-E", "-s", "-P", "-c", "from linjax.cli import main; main()", "--help"]]

@@ -40,3 +40,47 @@ def test_wheel_holds_only_the_linjax_namespace(tmp_path):
     for name in SUBPACKAGES:
         assert f"linjax/{name}/__init__.py" in names
     assert "linjax/convert/gguf.py" in names and "linjax/mixers/softmax.py" in names
+
+
+def _fresh_environment_with(wheel_dir, root) -> str:
+    """A new virtualenv holding only the wheel, non-editable; the test environment's packages after it.
+
+    The test environment's site-packages are added as plain path lines, so its `.pth` files (the
+    editable install's finder among them) do not run: `linjax` can come only from the wheel."""
+    import site
+    import sysconfig
+
+    venv = os.path.join(root, "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    python = os.path.join(venv, "bin", "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    ours = [p for p in sys.path if p and os.path.isdir(p) and "site-packages" in p and p != purelib]
+    with open(os.path.join(purelib, "test-environment.pth"), "w") as f:
+        f.write("\n".join(dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"], *ours])) + "\n")
+    (wheel,) = [os.path.join(wheel_dir, p) for p in os.listdir(wheel_dir) if p.endswith(".whl")]
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index",
+                    wheel], check=True, capture_output=True, timeout=300)
+    return venv
+
+
+def test_installed_command_runs_from_the_checkout_root(tmp_path):
+    """The README's first command: a non-editable install, `linjax` run in the repository root.
+
+    The command re-executes itself for huge pages; the new interpreter must import the installed
+    `linjax`, not the checkout's `linjax/` folder (which lacks the mapped-in subpackages)."""
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "wheel"), ROOT], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    venv = _fresh_environment_with(tmp_path / "wheel", tmp_path)
+    installed = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                                "import os, linjax; print(os.path.dirname(linjax.__file__))"], cwd=tmp_path,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    assert installed.startswith(str(tmp_path)), installed
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LINJAX_HUGE_PAGES", "PYTHONPATH")}
+    command = os.path.join(venv, "bin", "linjax")
+    for args in (["run", "--help"], ["train", "--help"], ["--version"]):
+        done = subprocess.run([command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"linjax {' '.join(args)}:\n{done.stderr[-3000:]}"
+    version = subprocess.run([command, "--version"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert version.stdout.strip().endswith(f"from {installed}"), version.stdout
