@@ -62,9 +62,15 @@ class _Config(NamedTuple):
 # ------------------------------------------------------------ in-kernel pieces
 
 
+# The dot algorithm per operand dtype: half-precision operands as they are with fp32 accumulation;
+# fp32 at HIGHEST, which Triton lowers to IEEE fp32 (its default for fp32 operands is TF32).
+_DOT_PRECISION = {jnp.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+                  jnp.dtype(jnp.float16): lax.DotAlgorithmPreset.F16_F16_F32,
+                  jnp.dtype(jnp.float32): lax.Precision.HIGHEST}
+
+
 def _dot(a, b, contract):
-    """fp32-accumulated dot; IEEE fp32 for fp32 operands (Triton would otherwise use TF32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    precision = _DOT_PRECISION[jnp.dtype(a.dtype)]
     return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
 
