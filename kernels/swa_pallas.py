@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from linjax.kernels.contract import check_qkv, default_scale
-from linjax.kernels.pallas_common import pad_axis, tile_size, triton_params
+from linjax.kernels.pallas_common import pad_axis, tile_size
 
 BLOCK = 64  # queries and keys per tile
 _MASKED = -1e30  # finite stand-in for −inf in masked scores
@@ -155,7 +156,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, arg_ref, *, cf
     arg_ref[...] = arg
 
 
-def _pallas_call(kernel, inputs, in_specs, out_shapes, out_specs, grid, cfg, name):
+def _triton_params(accumulator_width):
+    """Launch settings (choosing them picks the Triton backend). Untuned, no GPU was at hand: 8 warps
+    once a program's fp32 accumulators have more than 64 columns in all (D 128, or dk and dv at
+    D 64), so that they stay in registers."""
+    return plgpu.CompilerParams(num_warps=4 if accumulator_width <= 64 else 8, num_stages=2)
+
+
+def _pallas_call(kernel, inputs, in_specs, out_shapes, out_specs, grid, cfg, name, width):
     """pl.pallas_call on the Triton backend; with cfg.poison the outputs start as NaN (ints −1),
     aliased from extra inputs, so a check can see every element being written."""
     n_in = len(inputs)
@@ -169,7 +177,7 @@ def _pallas_call(kernel, inputs, in_specs, out_shapes, out_specs, grid, cfg, nam
         body, aliases = kernel, {}
     return pl.pallas_call(
         body, out_shape=tuple(out_shapes), grid=grid, in_specs=in_specs, out_specs=tuple(out_specs),
-        input_output_aliases=aliases, compiler_params=triton_params(), interpret=cfg.interpret, name=name,
+        input_output_aliases=aliases, compiler_params=_triton_params(width), interpret=cfg.interpret, name=name,
     )(*inputs)
 
 
@@ -202,7 +210,7 @@ def _forward(q, k, v, cfg: _Config):
         [jax.ShapeDtypeStruct((B, Tp, H, Dv), jnp.float32), per_row(jnp.float32), per_row(jnp.float32),
          per_row(jnp.int32)],
         [_one_block(cfg.block, Dv)] + [_one_block(cfg.block, None)] * 3,
-        (B, H, Tp // cfg.block), cfg, "linjax_swa_sinks_fwd")
+        (B, H, Tp // cfg.block), cfg, "linjax_swa_sinks_fwd", Dv)
 
 
 # ------------------------------------------------------------------- backward
@@ -291,7 +299,7 @@ def _backward(q, k, v, do, lse, delta, dm, arg, cfg: _Config):
          _one_block(block, Dv)] + [_one_block(block, None)] * 4,
         [jax.ShapeDtypeStruct((B, Tp, H, Dk), jnp.float32)] + ([sink_shape(Dk), sink_shape(Dv)] if n_sink else []),
         [_one_block(block, Dk)] + ([sink_spec(Dk), sink_spec(Dv)] if n_sink else []),
-        (B, H, n_blocks), cfg, "linjax_swa_sinks_bwd_dq")
+        (B, H, n_blocks), cfg, "linjax_swa_sinks_bwd_dq", Dk)
 
     key_block = lambda D: pl.BlockSpec((sq, block, sq, D), lambda b, h, i: (b, i, kv_head(h), 0))
     dk, dv = _pallas_call(
@@ -300,7 +308,7 @@ def _backward(q, k, v, do, lse, delta, dm, arg, cfg: _Config):
         + [_whole_sequence(Tp, None, same)] * 4,
         [jax.ShapeDtypeStruct((B, Tp, H, Dk), jnp.float32), jax.ShapeDtypeStruct((B, Tp, H, Dv), jnp.float32)],
         [_one_block(block, Dk), _one_block(block, Dv)],
-        (B, H, n_blocks), cfg, "linjax_swa_sinks_bwd_dkdv")
+        (B, H, n_blocks), cfg, "linjax_swa_sinks_bwd_dkdv", Dk + Dv)
     return (dq_outs[0], dk, dv, *(dq_outs[1:] if n_sink else (None, None)))
 
 
