@@ -65,11 +65,12 @@ def compare(q, k, v, cotangents, *, sinks, window, interpret):
     return errors
 
 
-def check_rows(*, B=2, T=1000, H=4, D=128, interpret=False, seed=0):
-    """One row per (case, dtype): shapes, the errors of `compare`, the tolerance, "ok" and seconds."""
+def check_rows(*, B=2, T=1000, H=4, D=128, interpret=False, seed=0, cases=CASES, dtypes=("float32", "bfloat16")):
+    """One row per (case, dtype): shapes, the errors of `compare`, the tolerance, "ok" and seconds.
+    On one GPU: `check_rows()`; a CPU smoke run: `check_rows(B=1, T=130, D=16, interpret=True)`."""
     rows = []
-    for n, (sinks, window, kv_heads) in enumerate(CASES):
-        for dtype in ("float32", "bfloat16"):
+    for n, (sinks, window, kv_heads) in enumerate(cases):
+        for dtype in dtypes:
             start = time.perf_counter()
             q, k, v, cotangents = random_inputs(seed + n, B=B, T=T, H=H, kv_heads=kv_heads, D=D, dtype=dtype)
             errors = compare(q, k, v, cotangents, sinks=sinks, window=window, interpret=interpret)

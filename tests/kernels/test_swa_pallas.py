@@ -2,7 +2,8 @@
 against swa.reference (fp32 and bf16, T not a multiple of the block, sinks 0 / 8 / 70, windows
 5 / 56 / 64 / 128, GQA), kernel outputs that start as NaN and must all be written, the block-sparse
 visit counts, and the CUDA lowering made on this CPU: Triton dots with bf16 operands accumulating
-in fp32 (IEEE fp32 for fp32 inputs), and no T × T array in the forward + backward at T 4,096.
+in fp32 (IEEE fp32 for fp32 inputs), no T × T array in the forward + backward at T 4,096, and
+the rows bench/gpu_check.py takes from swa_pallas_check.check_rows.
 
 Interpret mode compiles are the cost here (seconds per shape), so T stays 130–250 and D 16–32.
 """
@@ -21,7 +22,7 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton.lowering import _new_ir_context
 
 from linjax.kernels import swa, swa_pallas
-from linjax.kernels.swa_pallas_check import TOLERANCE, compare, random_inputs
+from linjax.kernels.swa_pallas_check import TOLERANCE, check_rows, compare, random_inputs
 
 H = 4
 
@@ -181,3 +182,8 @@ def test_no_t_by_t_array_at_4096():
         assert not tensors_of_at_least(triton_ir, T * T)
     dense = lambda *a: sum(jnp.sum(x) for x in swa.reference(*a, sinks=8, window=56))
     assert tensors_of_at_least(exported_text(jax.grad(dense, argnums=(0, 1, 2)), *args), T * T)
+
+
+def test_check_rows_for_the_gpu_check():
+    rows = check_rows(B=1, T=70, H=2, D=16, interpret=True, cases=[(8, 56, 1)], dtypes=("bfloat16",))
+    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["dtype"] == "bfloat16", rows
