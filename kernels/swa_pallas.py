@@ -149,7 +149,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, arg_ref, *, cf
     carry = lax.fori_loop(_first_window_block(q_start, cfg), i + 1,
                           lambda kb, c: visit(kb, c, _window_mask), carry)
     m, l, acc, arg = carry
-    # l ≥ 1: the diagonal key (t − j = 0 < window) is always in the set and at the max or below it.
+    # l ≥ 1: every row keeps its diagonal key (t − j = 0 < window), so m is a kept score and adds exp(0).
     o_ref[...] = acc / l[:, None]
     lse_ref[...] = m + jnp.log(l)
     max_ref[...] = m
