@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from linjax.kernels import scaling, swa_pallas
 from linjax.kernels.contract import as_token_batch, check_qkv, default_scale
-from linjax.kernels.pallas_common import default_interpret, with_chunked_backward
+from linjax.kernels.pallas_common import default_interpret
 
 # Default query block of `chunked`, `prefill` and `pallas`. A block attends to itself and the
 # ⌈window / chunk⌉ blocks before it, so with the paper's budget (window 56 or 64) a 64-query block
@@ -350,18 +350,15 @@ def leaving_window(rings, length, *, sinks):
 
 
 def pallas(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None, interpret=None):
-    """`chunked` as one Pallas (Triton) kernel, see swa_pallas.py; same arguments and
-    SoftmaxParts. Differentiable through a `jax.custom_vjp` whose backward recomputes through
-    `chunked` (exact, not a fused backward kernel). interpret=None runs the Pallas interpreter
-    when the default backend is CPU. Continuing after a `cache` (prefill) is not in the kernel:
-    use `chunked` or `prefill` for that."""
+    """`chunked` as a block-sparse flash kernel in Pallas (Triton), forward and backward (swa_pallas.py):
+    same arguments and SoftmaxParts, differentiable in all three parts (`jax.custom_vjp` with
+    backward kernels of the same block-sparse shape). `chunk` is the kernel's query and key block
+    (a power of two ≥ 16). bf16 inputs: bf16 dots accumulating in fp32; fp32 inputs: IEEE fp32
+    dots. interpret=None runs the Pallas interpreter when the default backend is CPU. Continuing
+    after a `cache` (prefill) is not in the kernel: use `chunked` or `prefill` for that."""
     if cache is not None:
         raise NotImplementedError("swa.pallas attends from position 0 only; for a prefill after a "
                                   "cache use swa.prefill / swa.chunked(..., cache=cache)")
-    check_qkv(q, k, v)
     _check_budget(sinks, window)
-    interpret = default_interpret(interpret)
-    kernel = lambda *a: SoftmaxParts(*swa_pallas.forward(
-        *a, sinks=sinks, window=window, scale=scale, block=chunk, interpret=interpret))
-    spec = lambda *a: chunked(*a, sinks=sinks, window=window, scale=scale, chunk=chunk)
-    return with_chunked_backward(kernel, spec, q, k, v)
+    return SoftmaxParts(*swa_pallas.softmax_parts(q, k, v, sinks=sinks, window=window, scale=scale, block=chunk,
+                                                  interpret=default_interpret(interpret)))
