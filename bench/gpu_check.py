@@ -137,7 +137,9 @@ def part_tests(args, sizes):
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", "0" if args.smoke else "4"]
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    # The GPU settings of tests/conftest.py, whatever its own detection finds on this machine.
+    env = dict(os.environ) if args.smoke else dict(os.environ, LINJAX_TESTS_GPU="1")
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     counts = {}
     if os.path.exists(report):

@@ -21,7 +21,7 @@ def has_cuda() -> bool:
     """Whether JAX has a CUDA device in this process (False under JAX_PLATFORMS=cpu on a GPU machine)."""
     try:
         return bool(jax.devices("cuda"))
-    except RuntimeError:  # no CUDA backend: not installed, or not among JAX_PLATFORMS
+    except (RuntimeError, ValueError):  # no CUDA backend: not installed, or not among JAX_PLATFORMS
         return False
 
 

@@ -144,7 +144,7 @@ def test_linearized_model_on_pallas_matches_chunked(mechanism):
     base = CausalLM(tiny_config("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=64, hidden_size=256), rngs=nnx.Rngs(3))
     settings = dict(mechanism=mechanism, window=56, sinks=8, adapter="shortconv")
-    chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings), seed=1)
+    chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="chunked"), seed=1)
     on_pallas = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="pallas"), seed=1)
     tokens = tokens_for(base, 300, seed=7)
     run = lambda model: nnx.jit(lambda m, t: m(t))(model, tokens)
