@@ -8,11 +8,12 @@ seconds), in this order, so a part that hangs or runs out of memory costs only i
 
     tests     pytest tests/kernels/test_gpu.py (every Pallas kernel, forward and input gradients,
               against `reference` in fp32 and bf16), one row per test and its total wall time
-    train     (the torch part runs after its first two rows) training steps with random weights, each shape in its own process (so
-              `peak_bytes_in_use` is that step's): SmolLM2-135M's shapes at batch 1 and 4 × 4,096
-              and batch 1 × 16,384, Llama-3.1-8B's at batch 1 × 4,096 (32 layers, else the largest
-              depth that fits, halving); the floor (the frozen model's loss and its gradient to the
-              input embeddings) and the final recipe (GDN + window 56 + sinks 8 + short conv),
+    train     training steps with random weights (the torch part runs after the first two),
+              each shape in its own process (so `peak_bytes_in_use` is that step's): SmolLM2-135M's
+              shapes at batch 1 and 4 × 4,096 and batch 1 × 16,384, Llama-3.1-8B's at batch 1 × 4,096
+              (32 layers, else the largest depth that fits, halving); the floor (the frozen model's
+              loss and its gradient to the input embeddings) and the final recipe (GDN + window 56 +
+              sinks 8 + short conv),
               as `linjax train` runs them with this machine's "auto" settings (bf16 frozen weights,
               remat per layer, the loss in pieces, Pallas kernels); median step, first step
     torch     PyTorch's floor (transformers, SDPA) in fp32 and bf16 at the same shapes
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,34 +128,43 @@ def timed(call, sync, repeats: int):
 
 
 def part_tests(args, sizes):
-    """pytest on the GPU tests, with pytest-xdist's 4 workers where it is installed and a GPU is here."""
+    """pytest on the GPU tests, with pytest-xdist's 4 workers where it is installed and a GPU is here.
+    A row per test as pytest reports it (so a run cut short keeps its results), then the total."""
     import importlib.util
-    import tempfile
-    import xml.etree.ElementTree as ElementTree
+    import re
 
-    report = os.path.join(tempfile.mkdtemp(prefix="linjax-gpu-check-"), "junit.xml")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               "tests/kernels/test_gpu.py"]
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests/kernels/test_gpu.py"]
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", "0" if args.smoke else "4"]
-    start = time.perf_counter()
     # The GPU settings of tests/conftest.py, whatever its own detection finds on this machine.
     env = dict(os.environ) if args.smoke else dict(os.environ, LINJAX_TESTS_GPU="1")
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    counts = {}
-    if os.path.exists(report):
-        for case in ElementTree.parse(report).getroot().iter("testcase"):
-            outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-            counts[outcome] = counts.get(outcome, 0) + 1
-            row = dict(part="tests", test=case.get("name"), outcome=outcome, seconds=float(case.get("time", 0)))
-            if outcome in ("failure", "error"):
-                row["message"] = (next(iter(case)).get("message") or "")[:300]
-            if outcome != "skipped" or args.smoke:
-                append_row(args.out, row)
-    tail = (result.stdout + result.stderr).strip().splitlines()[-1:] or [""]
-    append_row(args.out, dict(part="tests", test="(all)", outcome="passed" if result.returncode == 0 else
-                              f"exit {result.returncode}", seconds=wall, counts=counts, summary=tail[0][:300]))
+    # "[gw1] [ 50%] PASSED tests/...::name" with workers, "tests/...::name PASSED [ 50%]" without.
+    outcome_re = re.compile(r"(?:(PASSED|FAILED|ERROR|SKIPPED)\s+(tests/\S+::\S+))"
+                            r"|(?:(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED))")
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    counts, last, seen = {}, "", set()
+    for line in process.stdout:
+        line = line.rstrip()
+        last = line or last
+        if line.startswith(("FAILED ", "ERROR ")) and " - " in line:  # the -ra summary: the failure's message
+            append_row(args.out, dict(part="tests", test=line.split()[1].split("::")[-1], outcome="message",
+                                      message=line.split(" - ", 1)[1][:300]))
+            continue
+        match = outcome_re.search(line)
+        if not match or line.startswith(("FAILED ", "ERROR ")):
+            continue
+        outcome, test = (match.group(1), match.group(2)) if match.group(1) else (match.group(4), match.group(3))
+        if test in seen:
+            continue
+        seen.add(test)
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+        if outcome != "SKIPPED" or args.smoke:
+            append_row(args.out, dict(part="tests", test=test.split("::")[-1], outcome=outcome.lower(),
+                                      seconds_since_start=time.perf_counter() - start))
+    status = process.wait()
+    append_row(args.out, dict(part="tests", test="(all)", outcome="passed" if status == 0 else f"exit {status}",
+                              seconds=time.perf_counter() - start, counts=counts, summary=last[:300]))
 
 
 def part_kernels(args, sizes, T: int):
@@ -220,7 +231,8 @@ def part_fla(args, sizes):
         v = randn(B, T, H, D).bfloat16()
         g = torch.nn.functional.logsigmoid(randn(B, T, H, D) + 3.0)
         beta = torch.sigmoid(randn(B, T, H))
-        for name, kernel, inputs in (("chunk_kda", chunk_kda, (q, k, v, g, beta)), ("chunk_gla", chunk_gla, (q, k, v, g))):
+        runs = (("chunk_kda", chunk_kda, (q, k, v, g, beta)), ("chunk_gla", chunk_gla, (q, k, v, g)))
+        for name, kernel, inputs in runs:
             row = dict(part="fla", mech=name, T=T, B=B, H=H, D=D, dtype="bfloat16")
             try:
                 row["forward_first_s"], row["forward_s"] = timed(lambda: kernel(*inputs), sync, sizes["kernel_repeats"])
@@ -434,9 +446,14 @@ def run_part(args, label, part_argv, limit, env) -> tuple[int | None, float]:
         command.append("--smoke")
     print(f"== {label} (limit {limit:.0f} s)", flush=True)
     start = time.perf_counter()
+    # Its own process group: at the limit, the part and whatever it started (pytest and its workers)
+    # end together, so nothing of it keeps the GPU busy under the next part.
+    process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
     try:
-        status = subprocess.run(command, cwd=ROOT, env=env, timeout=limit).returncode
+        status = process.wait(timeout=limit)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
         status = None
     return status, time.perf_counter() - start
 
@@ -512,9 +529,11 @@ def markdown(data) -> str:
     lines += [f"| {p['part']} | {p['status']} | {p.get('seconds', 0):.0f} |" for p in data["parts"]]
     tests = [r for r in rows if r["part"] == "tests"]
     if tests:
-        lines += ["", "## GPU tests (tests/kernels/test_gpu.py)", "", "| test | outcome | s |", "|---|---|---|"]
+        lines += ["", "## GPU tests (tests/kernels/test_gpu.py)", "",
+                  "| test | outcome | s (the total's; a test's since the start) |", "|---|---|---|"]
         lines += [f"| {r['test']} | {r['outcome']}{' ' + r['message'] if r.get('message') else ''}"
-                  f"{' ' + str(r['counts']) if r.get('counts') else ''} | {r['seconds']:.1f} |" for r in tests]
+                  f"{' ' + str(r['counts']) if r.get('counts') else ''} | "
+                  f"{r.get('seconds', r.get('seconds_since_start', 0)):.1f} |" for r in tests]
     train = [r for r in rows if r["part"] in ("train", "torch")]
     if train:
         lines += ["", "## Training steps (random weights)", "",
