@@ -21,6 +21,7 @@ from flax import nnx
 import linjax.mixers
 from linjax.layers import Trainable
 from linjax.mixers.softmax import SoftmaxAttention
+from linjax.platform import resolve_kernel
 
 
 def find_mixers() -> dict[str, type]:
@@ -44,7 +45,7 @@ def find_mixers() -> dict[str, type]:
 MIXERS = find_mixers()
 ADAPTERS = (None, "shortconv", "lora")
 COMBINES = ("sum", "mixed")
-KERNELS = ("chunked", "pallas")
+KERNELS = ("auto", "chunked", "pallas")
 
 
 # `scale = "fla_default"`: FLA's kernels' output scale, Dk^-1/2 (stored as None).
@@ -67,7 +68,10 @@ class LinearizeConfig:
     adapter: None, "shortconv" (kernel 8 on q, k, v) or "lora" (rank 8, alpha 16 on q/k/v/o).
     keep_full_attention: layer indices kept as softmax attention, or a fraction of the layers
         spread uniformly over depth.
-    kernel: "chunked" (pure JAX, any backend) or "pallas" (GPU kernels; interpreted on CPU).
+    kernel: "auto" (the default: "pallas" when JAX has a CUDA device, else "chunked"), "chunked"
+        (pure JAX, any backend) or "pallas" (GPU kernels; interpreted on CPU). "auto" is kept as
+        written in saved settings and resolved by each process, so a model trained on a GPU loads
+        on a CPU with the XLA kernels.
     scale: the linear term's output scale, y = scale · qᵀS. Default 1, the paper's y = qᵀS, which
         the output-scale ablation chose (README, "The paper's claims"): pure GDN learns at 1 and
         stays at a uniform guess at Dk^-1/2; with a window the two are within noise.
@@ -92,7 +96,7 @@ class LinearizeConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     chunk: int | None = None  # the kernels' chunk length; None: each kernel's own default
-    kernel: str = "chunked"
+    kernel: str = "auto"
     scale: float | str | None = 1.0
     output_gain: bool = False
     gate_bias: float = 1.0
@@ -107,7 +111,7 @@ class LinearizeConfig:
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r}; choose 'sum' or 'mixed'")
         if self.kernel not in KERNELS:
-            raise ValueError(f"unknown kernel {self.kernel!r}; choose 'chunked' or 'pallas'")
+            raise ValueError(f"unknown kernel {self.kernel!r}; choose 'auto', 'chunked' or 'pallas'")
         if self.window < 0 or self.sinks < 0:
             raise ValueError(f"window and sinks must be ≥ 0, got window={self.window}, sinks={self.sinks}")
         if self.sinks and not self.window:
@@ -143,6 +147,10 @@ class LinearizeConfig:
             raise ValueError(f"keep_full_attention as a fraction must be in [0, 1], got {keep}")
         elif not isinstance(keep, float):
             raise ValueError(f"keep_full_attention must be layer indices or a fraction, got {keep!r}")
+
+    def uses_pallas(self) -> bool:
+        """Whether the mixers run the Pallas kernels ("auto" resolved for this process's devices)."""
+        return resolve_kernel(self.kernel) == "pallas"
 
     def full_attention_layers(self, num_layers: int) -> tuple[int, ...]:
         """The layer indices kept as softmax attention."""

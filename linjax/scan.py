@@ -135,7 +135,11 @@ def run_layers(layers, x, positions, states=None, *, remat: str | None = None):
     for run in layer_runs(layers):
         if len(run) == 1:  # nothing to share: call the block as it is
             block = layers[run[0]]
-            if states is None:
+            if states is None and remat is not None:  # the same memory policy as the scanned runs
+                graphdef, params = nnx.split(block)
+                one_block = lambda params, x, graphdef=graphdef: nnx.merge(graphdef, params)(x, positions)  # noqa: E731
+                x = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)(params, x)
+            elif states is None:
                 x = block(x, positions)
             else:
                 x, state = block(x, positions, states[run[0]])

@@ -2,18 +2,43 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
-# The suite is mostly XLA compilation (73% of tests/kernels/test_gla.py's time in a profile), so
-# it compiles at optimization level 0 without the fusion emitters: the whole suite on 2 cores
-# took 12.4 min instead of 24.0, with the same tests and tolerances. The hang once seen at
-# level 0 was the LAPACK deadlock (tests/kernels/test_no_lapack.py), gone with LAPACK. What users
-# run, XLA's optimizing pipeline and its fast paths, is tested by the tests that call
-# `helpers.environment_with_user_xla_flags` (the miscompile and deadlock checks) in subprocesses
-# with the flags as they were before this file set them, kept in LINJAX_TESTS_USER_XLA_FLAGS.
-os.environ.setdefault("LINJAX_TESTS_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                                   "--xla_llvm_disable_expensive_passes=true")
+
+def _cuda_machine() -> bool:
+    """Whether JAX will run on a CUDA GPU here, decided before JAX starts a backend (XLA reads
+    XLA_FLAGS once, when it starts one): a JAX CUDA plugin is installed, JAX_PLATFORMS allows it and
+    the NVIDIA driver's device exists. LINJAX_TESTS_GPU=1 / 0 decides instead."""
+    forced = os.environ.get("LINJAX_TESTS_GPU")
+    if forced in ("0", "1"):
+        return forced == "1"
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    plugin = any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+    return plugin and os.path.exists("/dev/nvidiactl")
+
+
+# On a GPU none of the CPU settings below apply: optimisation level 0 and the CPU emitter flags are
+# for XLA:CPU's compile time, and the shared cache and huge pages were measured on CPUs only (with
+# them, tests/kernels/test_gpu.py died without a word on an H100). Each pytest-xdist worker is its
+# own process on the one card, so none may take 75% of its memory up front.
+ON_CUDA_MACHINE = _cuda_machine()
+if ON_CUDA_MACHINE:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+if not ON_CUDA_MACHINE:
+    # The suite is mostly XLA compilation (73% of tests/kernels/test_gla.py's time in a profile), so
+    # it compiles at optimization level 0 without the fusion emitters: the whole suite on 2 cores
+    # took 12.4 min instead of 24.0, with the same tests and tolerances. The hang once seen at
+    # level 0 was the LAPACK deadlock (tests/kernels/test_no_lapack.py), gone with LAPACK. What users
+    # run, XLA's optimizing pipeline and its fast paths, is tested by the tests that call
+    # `helpers.environment_with_user_xla_flags` (the miscompile and deadlock checks) in subprocesses
+    # with the flags as they were before this file set them, kept in LINJAX_TESTS_USER_XLA_FLAGS.
+    os.environ.setdefault("LINJAX_TESTS_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                                       "--xla_llvm_disable_expensive_passes=true")
 
 # PyTorch on one thread, in the workers and every subprocess (set before torch is imported). Its
 # OpenMP threads meet at a barrier after each op, and on 2 cores shared by pytest-xdist's two
@@ -23,14 +48,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu
 # models are small; what the benchmarks time sets its own thread counts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+_OWN_COMPILATION_CACHE = None  # the folder this process made (the controller's), removed at the end
 # One XLA compilation cache for the session, shared through the environment by pytest-xdist's
 # workers and the tests' subprocesses (training runs killed and resumed, exports, CLI runs):
 # a program one process compiled, another loads instead of compiling it again. A fresh folder
 # per session, so nothing compiled by other code is reused; the size limit turns on JAX's file
 # lock, which makes the workers' concurrent reads and writes safe. The compiled programs are
 # the same; only the time to get them changes (the SIGKILL/resume test: 177 s -> 73 s).
-_OWN_COMPILATION_CACHE = None  # the folder this process made (the controller's), removed at the end
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not ON_CUDA_MACHINE:
     import tempfile
 
     _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="linjax-tests-xla-cache-")
@@ -42,7 +67,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # transparent huge pages for XLA's fresh buffers, as the `linjax` command does (linjax/hugepages.py).
 from linjax.hugepages import environment_with_huge_pages  # noqa: E402
 
-os.environ.update(environment_with_huge_pages() or {})
+if not ON_CUDA_MACHINE:
+    os.environ.update(environment_with_huge_pages() or {})
 
 import numpy as np
 import pytest

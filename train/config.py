@@ -1,7 +1,7 @@
 """Experiment files: TOML sections mapped onto frozen dataclasses, strictly.
 
     run_dir = "runs/smollm2-gdn"
-    [model]      source, dtype
+    [model]      source, dtype ("auto": bfloat16 with a CUDA device, else float32)
     [linearize]  the fields of `linjax.LinearizeConfig`
     [data]       paths (files or folders) or dataset (a Hugging Face dataset name)
     [train]      steps, seq_len, batch_size, lr, warmup_steps, seed, objective, ...
@@ -21,14 +21,32 @@ import tomllib
 from typing import Any
 
 from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig
+from linjax.platform import has_cuda, resolve_dtype
 
 OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# train.remat: what the backward keeps of each decoder layer. "none": everything (fastest, memory
+# grows with layers × T × the MLP width); "layer": each layer's matmul outputs, the rest
+# recomputed; "full": only each layer's input, the whole layer recomputed in the backward (SmolLM2's
+# final recipe at batch 4 × 4,096: about 43 GB of activations kept with "none", 4.7 GB with "full").
+REMATS = ("auto", "none", "layer", "full")
+REMAT_POLICY = {"none": None, "layer": "dots", "full": "full"}  # → CausalLM.remat (linjax/scan.py)
+# train.loss_chunk: positions per piece of the LM head + cross-entropy; each piece's fp32 logits
+# [B, chunk, V] are recomputed in the backward instead of kept (V = 128,256 for Llama 3).
+GPU_LOSS_CHUNK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     source: str = "smollm2-135m"  # HF id, HF directory, .gguf file, or "smollm2-135m"
-    dtype: str = "float32"  # of the frozen backbone; new parameters are always fp32
+    # Of the frozen backbone (and so of the activations); new parameters and the optimizer state are
+    # always fp32. "auto" is resolved when the config is read: bfloat16 with a CUDA device, else float32.
+    dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +85,16 @@ class TrainSection:
     # A finished run directory whose trained parameters start this run (a fresh optimizer and
     # schedule): a second stage, e.g. cross-entropy after an attention-transfer stage.
     init_from: str | None = None
+    remat: str = "auto"  # REMATS; "auto": "full" with a CUDA device, else "none"
+    loss_chunk: int | str = "auto"  # positions per LM-head piece; 0: all at once; "auto": 1,024 on CUDA, else 0
 
     def __post_init__(self):
+        if self.remat not in REMATS:
+            raise ValueError(f"train.remat must be one of {list(REMATS)}, got {self.remat!r}")
+        if self.loss_chunk != "auto" and not (isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool)
+                                              and self.loss_chunk >= 0):
+            raise ValueError(f"train.loss_chunk must be \"auto\" or an integer ≥ 0 (0: the whole sequence at once), "
+                             f"got {self.loss_chunk!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"train.objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
         for name in ("steps", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints"):
@@ -79,6 +105,16 @@ class TrainSection:
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps must be in [0, steps={self.steps}) so the cosine decay has "
                              f"steps left; got {self.warmup_steps} (lower it with --set train.warmup_steps=N)")
+
+    def remat_policy(self) -> str | None:
+        """`CausalLM.remat` for this setting ("auto" resolved for the devices at hand)."""
+        remat = ("full" if has_cuda() else "none") if self.remat == "auto" else self.remat
+        return REMAT_POLICY[remat]
+
+    def loss_chunk_size(self) -> int | None:
+        """Positions per LM-head piece (None: the whole sequence at once)."""
+        chunk = (GPU_LOSS_CHUNK if has_cuda() else 0) if self.loss_chunk == "auto" else self.loss_chunk
+        return chunk or None
 
     def learning_rate(self, adapter: str | None) -> float:
         if self.lr is not None:
@@ -124,7 +160,8 @@ class EvalSection:
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     run_dir: str
-    model: ModelSection = ModelSection()
+    # A factory: ModelSection resolves dtype "auto" from the devices, which must not happen at import.
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
     linearize: LinearizeConfig = LinearizeConfig()
     data: DataSection = DataSection(paths=("../shared/data/webtext",))
     train: TrainSection = TrainSection()
@@ -145,7 +182,7 @@ class ExperimentConfig:
 # which ignores them) the evaluations. Anything else changes the experiment. `train.steps` may
 # change too (to extend a run); the run records it.
 OPERATIONAL = ("run_dir", "train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.mesh_data",
-               "train.mesh_fsdp", "linearize.kernel", "linearize.chunk", "eval")
+               "train.mesh_fsdp", "train.remat", "train.loss_chunk", "linearize.kernel", "linearize.chunk", "eval")
 
 
 def flat_settings(raw: dict) -> dict:

@@ -53,8 +53,13 @@ def make_optimizer(train_config, adapter):
                        optax.adamw(schedule, weight_decay=train_config.weight_decay)), schedule
 
 
-def make_train_step(graphdef, optimizer, objective: str, mesh):
+def make_train_step(graphdef, optimizer, objective: str, mesh, *, remat: str | None = None,
+                    loss_chunk: int | None = None):
     """A jitted (trainable, opt_state, frozen, batch) → (trainable, opt_state, metrics) step.
+
+    `remat`: what the backward recomputes of each layer (`CausalLM.remat`: None, "dots" or "full";
+    `TrainSection.remat_policy`); `loss_chunk`: positions per piece of the LM head and the loss
+    (`objectives.lm_loss`; None: all at once).
 
     `trainable` and `frozen` are held stacked by layer run (`linjax.scan.StackedLayers`, see
     `place_train_state`); `opt_state` is the optimizer's state for the stacked `trainable`.
@@ -66,7 +71,8 @@ def make_train_step(graphdef, optimizer, objective: str, mesh):
     def step(trainable, opt_state, frozen, batch):
         def loss_fn(params):
             model = nnx.merge(graphdef, unstack_layers(params), unstack_layers(frozen))
-            return objective_loss(model, batch, objective)
+            model.remat = remat
+            return objective_loss(model, batch, objective, loss_chunk=loss_chunk)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
@@ -132,7 +138,7 @@ def _run_record(config, run_dir: str, step: int) -> dict:
     if changes:
         raise ValueError(f"{run_dir} was started with other settings: {describe_changes(changes)}; resuming would "
                          "mix two experiments in one run. Resume with the original settings, or train the new "
-                         "ones in a new run_dir (only train.steps, checkpoint_every, keep_checkpoints, mesh_*, "
+                         "ones in a new run_dir (only train.steps, checkpoint_every, keep_checkpoints, mesh_*, remat, loss_chunk, "
                          "linearize.kernel/chunk and [eval] may change on --resume)")
     if config.train.steps < step:
         raise ValueError(f"train.steps={config.train.steps} is below the step of the last checkpoint in {run_dir} "
@@ -199,7 +205,8 @@ def run(config, resume: bool = False, progress: bool = True):
             data=ocp.args.JsonSave(dataset.state())), force=True)
         manager.wait_until_finished()
 
-    train_step = make_train_step(graphdef, optimizer, tc.objective, mesh)
+    train_step = make_train_step(graphdef, optimizer, tc.objective, mesh, remat=tc.remat_policy(),
+                                 loss_chunk=tc.loss_chunk_size())
     tokens_per_step = tc.batch_size * tc.seq_len
     try:
         bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,

@@ -16,14 +16,42 @@ from flax import nnx
 
 from linjax.mixers.softmax import SoftmaxAttention, pretrained_attention
 from linjax.model import token_positions
-from linjax.scan import layer_runs, stack
+from linjax.scan import layer_runs, run_layers, stack
 from linjax.train.cross_entropy import cross_entropy
 
 
-def next_token_loss(model, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32)."""
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    return jnp.mean(cross_entropy(logits, tokens[:, 1:]))
+def next_token_loss(model, tokens: jax.Array, loss_chunk: int | None = None) -> jax.Array:
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32); `loss_chunk` as in `lm_loss`."""
+    return lm_loss(model, model.hidden_states(tokens[:, :-1]), tokens[:, 1:], loss_chunk)
+
+
+def lm_loss(model, hidden: jax.Array, targets: jax.Array, chunk: int | None = None) -> jax.Array:
+    """Mean cross-entropy of the LM head on final hidden states [B,T,d] against targets [B,T] (fp32).
+
+    With `chunk`, the head and the loss run over `chunk` positions at a time and each piece is
+    recomputed in the backward: the [B, T, V] fp32 logits are never held at once, only one
+    [B, chunk, V] piece (Llama 3 at 4,096 tokens: 2.1 GB of logits and as much for their gradient).
+    """
+    T = hidden.shape[1]
+    if chunk is None or chunk >= T:
+        return jnp.mean(cross_entropy(model.logits(hidden).astype(jnp.float32), targets))
+
+    def piece_loss(h, t):
+        return jnp.sum(cross_entropy(model.logits(h).astype(jnp.float32), t))
+
+    piece_loss = jax.checkpoint(piece_loss, prevent_cse=False)
+    edges = list(range(chunk, T, chunk))
+    total = sum(piece_loss(h, t) for h, t in zip(jnp.split(hidden, edges, axis=1), jnp.split(targets, edges, axis=1)))
+    return total / targets.size
+
+
+def embedding_floor_loss(model, embeddings: jax.Array, tokens: jax.Array, loss_chunk: int | None = None):
+    """`next_token_loss` from given input embeddings [B,T-1,d] of tokens[:, :-1]: its gradient with
+    respect to the embeddings, every weight frozen, is the floor any training step of parameters
+    inside the model pays (bench/gpu_check.py, the CUDA-lowering guards)."""
+    positions = token_positions(tokens[:, :-1])
+    x, _ = run_layers(model.layers, embeddings, positions, remat=model.remat)
+    return lm_loss(model, model.norm(x), tokens[:, 1:], loss_chunk)
 
 
 def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
@@ -58,13 +86,14 @@ def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
     return jnp.mean(jnp.concatenate(losses))
 
 
-def objective_loss(model, tokens, objective: str):
-    """(loss, metrics) for 'ce', 'attention_transfer' or 'ce+attention_transfer' (a plain sum)."""
+def objective_loss(model, tokens, objective: str, loss_chunk: int | None = None):
+    """(loss, metrics) for 'ce', 'attention_transfer' or 'ce+attention_transfer' (a plain sum);
+    `loss_chunk` as in `lm_loss`."""
     metrics = {}
     loss = 0.0
     parts = objective.split("+")
     if "ce" in parts:
-        metrics["ce"] = next_token_loss(model, tokens)
+        metrics["ce"] = next_token_loss(model, tokens, loss_chunk)
         loss = loss + metrics["ce"]
     if "attention_transfer" in parts:
         metrics["attention_mse"] = attention_transfer_loss(model, tokens)

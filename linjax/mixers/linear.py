@@ -60,7 +60,7 @@ class LinearMixer(nnx.Module):
         self.combine = settings.combine
         self.chunk = settings.chunk
         self.scale = self.linear_scale if settings.scale is None else settings.scale
-        self.use_pallas = settings.kernel == "pallas"
+        self.use_pallas = settings.uses_pallas()
         heads, kv_heads, head_dim = proj.num_heads, proj.num_kv_heads, proj.head_dim
         self.lora = (LoRA(proj, rank=settings.lora_rank, alpha=settings.lora_alpha, rngs=rngs)
                      if settings.adapter == "lora" else None)

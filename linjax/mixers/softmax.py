@@ -15,6 +15,7 @@ from flax import nnx
 from linjax.config import ModelConfig
 from linjax.layers import AttentionProjections
 from linjax.mixers.states import KVCache
+from linjax.platform import has_cuda
 
 
 # XLA:CPU builds the whole [T, T] score matrix of jax.nn.dot_product_attention and masks half of it
@@ -22,15 +23,41 @@ from linjax.mixers.states import KVCache
 # backward took 0.31 s that way, 0.16 s in query blocks of 128 and 0.14 s in blocks of 64, against
 # 0.13 s for PyTorch's SDPA (same machine and run, 2 cores). Blocks skip the keys after the block's
 # last query and keep each block's scores in cache. At most MAX_BLOCKS blocks, so long sequences
-# do not unroll into hundreds of products. Other backends keep jax.nn.dot_product_attention, which
-# they fuse (and where cuDNN's flash attention can be asked for).
+# do not unroll into hundreds of products.
 QUERY_BLOCK, MAX_BLOCKS = 64, 16
+HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
 def causal_attention(q, k, v):
-    """Causal softmax attention, q [B,T,H,D] over k, v [B,T,Hkv,D] with H a multiple of Hkv."""
-    if jax.default_backend() != "cpu":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    """Causal softmax attention, q [B,T,H,D] over k, v [B,T,Hkv,D] with H a multiple of Hkv.
+
+    No form keeps a [T, T] array for the backward. The form is chosen by the platform the program
+    is lowered for (`jax.lax.platform_dependent`), so a CUDA lowering made on a CPU machine is the
+    program a GPU runs: on CUDA, cuDNN's flash attention for bf16 / fp16 (it takes no fp32), and
+    the blocked form with recomputation otherwise, as on every other platform. XLA's
+    `dot_product_attention` keeps the whole T × T probabilities for its backward (at SmolLM2's
+    shapes and T 4,096, 67 GB at batch 4 over 30 layers).
+    """
+    if not _cudnn_takes(q):  # one form for every platform
+        return recomputed_blocked_attention(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, cuda=cudnn_attention, default=recomputed_blocked_attention)
+
+
+def _cudnn_takes(q) -> bool:
+    """Whether cuDNN's fused attention accepts q (and exists here: it is traced only on a machine with a
+    CUDA device, since it asks the device for its compute capability while tracing)."""
+    D = q.shape[-1]
+    return q.dtype in HALF_PRECISION and D % 8 == 0 and D <= 128 and has_cuda()
+
+
+def cudnn_attention(q, k, v):
+    """cuDNN's flash attention (bf16 / fp16, GQA as is): its backward keeps the output and the
+    log-sum-exp, not the probabilities."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def recomputed_blocked_attention(q, k, v):
+    """`blocked_causal_attention` in at most MAX_BLOCKS query blocks, recomputed in the backward."""
     block = max(QUERY_BLOCK, -(-q.shape[1] // MAX_BLOCKS))
     # Recomputed in the backward pass instead of saved, as flash attention does: the backward keeps
     # only q, k and v, not every block's [G·n, keys] scores and key prefixes (0.9 GB for SmolLM2

@@ -36,7 +36,7 @@ class WindowAttention(nnx.Module):
         self.proj = proj
         self.window, self.sinks = settings.window, settings.sinks
         self.chunk = settings.chunk
-        self.use_pallas = settings.kernel == "pallas"
+        self.use_pallas = settings.uses_pallas()
 
     def torch_tensors(self, prefix: str, pretrained: dict) -> dict:
         """Nothing beyond the pretrained projections for the PyTorch export (LinearMixer.torch_tensors)."""

@@ -4,15 +4,21 @@ training uses (T not a multiple of the chunk, GQA, head dims 64 and 128), and a 
 model whose blocks run in Pallas against the same model on the XLA chunked kernels.
 
 These tests skip where JAX has no GPU backend (every CPU machine, CI included). On a GPU
-machine, the README's GPU command runs them:
+machine, `python bench/gpu_check.py` runs them (docs/gpu.md), or alone:
 
-    python -m pytest -q -m gpu tests/kernels/test_gpu.py
+    python -m pytest -q -m gpu tests/kernels/test_gpu.py      # -n 4 with pytest-xdist
+
+`test_input_gradients_match_reference` draws fresh inputs each run (the seed is in its
+failure message; LINJAX_GPU_CHECK_SEED fixes it).
 
 The fp32 tolerances assume full-precision in-kernel dots (pallas_common.FULL_PRECISION):
 with Triton's default TF32 they would fail here by orders of magnitude.
 """
 
 from __future__ import annotations
+
+import os
+import random
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +42,34 @@ SHAPES = [(1000, 2, 128, False), (333, 4, 64, True), (1, 1, 64, True)]
 shape_id = lambda c: "T{}-Hkv{}-D{}-{}".format(c[0], c[1], c[2], "h0" if c[3] else "noh0")
 reference = {m.__name__.rsplit(".", 1)[-1]: jax.jit(m.reference) for m in (gla, gdn, kgla, linear_attn)}
 compiled = dict(interpret=False)
+FRESH_SEED = int(os.environ.get("LINJAX_GPU_CHECK_SEED") or random.SystemRandom().randrange(1 << 30))
+# Relative RMS against the fp32 reference on the same (rounded) inputs: bf16 operands carry
+# ~3 significant digits, and a chunked form's sums round differently from the recurrence's.
+GRAD_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+FORWARD_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def kernel_case(mech, dtype, seed):
+    """(Pallas function, reference function, inputs) for one mechanism: T 333 (not a multiple of
+    any chunk), GQA (H 4 over Hkv 2), D 64, an initial state for the recurrent kernels; every 50th
+    step of the GDN case is a hard reset (log α = −1000)."""
+    q, k, v, log_alpha, beta, h0 = make_inputs(seed, 333, 2, 64, True, dtype, unit_keys=mech != "gla")
+    up = lambda xs: [x.astype(jnp.float32) if x is not None else None for x in xs]  # noqa: E731
+    if mech == "swa":
+        kernel = lambda q, k, v: swa.pallas(q, k, v, sinks=8, window=56, **compiled)  # noqa: E731
+        spec = lambda q, k, v: swa.reference(*up((q, k, v)), sinks=8, window=56)  # noqa: E731
+        return kernel, spec, (q, k, v)
+    module = {"gla": gla, "kgla": kgla}.get(mech, gdn)
+    if mech == "gla":
+        gates = (log_alpha,)
+    elif mech == "gdn_scalar_gate":
+        gates = (log_alpha[..., 0], beta)
+    else:
+        gates = (log_alpha.at[:, ::50].set(-1000.0) if mech == "gdn" else log_alpha, beta)
+    n = 3 + len(gates)
+    kernel = lambda *a: module.pallas(*a[:n], initial_state=a[n], **compiled)  # noqa: E731
+    spec = lambda *a: module.reference(*up(a[:n]), initial_state=a[n])  # noqa: E731
+    return kernel, spec, (q, k, v, *gates, h0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -110,8 +144,31 @@ def test_linearized_model_on_pallas_matches_chunked(mechanism):
     base = CausalLM(tiny_config("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=64, hidden_size=256), rngs=nnx.Rngs(3))
     settings = dict(mechanism=mechanism, window=56, sinks=8, adapter="shortconv")
-    chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings), seed=1)
+    chunked = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="chunked"), seed=1)
     on_pallas = linjax.linearize(base, linjax.LinearizeConfig(**settings, kernel="pallas"), seed=1)
     tokens = tokens_for(base, 300, seed=7)
     run = lambda model: nnx.jit(lambda m, t: m(t))(model, tokens)
     assert relative_rms(run(on_pallas), run(chunked)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mech", ["gla", "gdn", "gdn_scalar_gate", "kgla", "swa"])
+def test_input_gradients_match_reference(mech, dtype):
+    """Outputs and the gradient of every input, compiled Pallas against the fp32 reference, on
+    fresh random inputs and cotangents."""
+    kernel, spec, args = kernel_case(mech, dtype, FRESH_SEED)
+    out = jax.eval_shape(spec, *args)
+    keys = jax.random.split(jax.random.key(FRESH_SEED + 1), len(jax.tree.leaves(out)))
+    cotangent = jax.tree.unflatten(jax.tree.structure(out), [
+        jax.random.normal(key, o.shape, jnp.float32) for key, o in zip(keys, jax.tree.leaves(out))])
+    pullback = lambda f: jax.jit(lambda a, ct: (lambda o, vjp: (o, vjp(  # noqa: E731
+        jax.tree.map(lambda c, x: c.astype(x.dtype), ct, o))))(*jax.vjp(f, *a)))
+    got_out, got = pullback(kernel)(args, cotangent)
+    want_out, want = pullback(spec)(args, cotangent)
+    where = f"{mech} {dtype} seed {FRESH_SEED}"
+    assert_close(got_out, want_out, FORWARD_TOL[dtype], where)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            continue
+        err = relative_rms(g, w)
+        assert err <= GRAD_TOL[dtype], f"{where}: gradient of input {i}: relative RMS {err:.2e} > {GRAD_TOL[dtype]:.0e}"

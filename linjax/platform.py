@@ -1,0 +1,40 @@
+"""Which accelerator this process computes on, asked once and outside any traced function.
+
+Code that differs by platform inside a traced function chooses with `jax.lax.platform_dependent`
+(the platform the program is lowered for: a CUDA lowering made on a CPU machine is the program
+a GPU runs). What cannot be chosen that way is resolved here, once, from the devices JAX has:
+- whether cuDNN's fused attention can be traced at all (it asks the GPU for its compute
+  capability while tracing, so it exists only on a machine with a CUDA device);
+- the settings whose "auto" means "the GPU form on a GPU": `kernel = "auto"`, `model.dtype =
+  "auto"`, `train.remat = "auto"`, `train.loss_chunk = "auto"`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+@functools.cache
+def has_cuda() -> bool:
+    """Whether JAX has a CUDA device in this process (False under JAX_PLATFORMS=cpu on a GPU machine)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except (RuntimeError, ValueError):  # no CUDA backend: not installed, or not among JAX_PLATFORMS
+        return False
+
+
+def resolve_kernel(kernel: str) -> str:
+    """"auto" → "pallas" (the Triton kernels) with a CUDA device, else "chunked"; other names as given."""
+    if kernel == "auto":
+        return "pallas" if has_cuda() else "chunked"
+    return kernel
+
+
+def resolve_dtype(dtype: str) -> str:
+    """The frozen backbone's dtype: "auto" → "bfloat16" with a CUDA device (tensor cores, half the
+    memory of an 8B model), else "float32" (XLA:CPU has no fast bf16 matmul)."""
+    if dtype == "auto":
+        return "bfloat16" if has_cuda() else "float32"
+    return dtype

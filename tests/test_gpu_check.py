@@ -1,0 +1,44 @@
+"""bench/gpu_check.py, the one-command GPU check, runs every part end to end in its --smoke mode
+(tiny shapes, Pallas interpreted on a CPU), so the script a GPU session depends on is known to work
+before one is at hand. No timing is checked: only that each part ran and the report was written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
+
+
+def test_smoke_run_writes_every_part(tmp_path):
+    out = tmp_path / "check"
+    subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], check=True, cwd=ROOT, timeout=900)
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [p["status"] for p in report["parts"]] == ["exit 0"] * len(report["parts"]), report["parts"]
+    rows = report["rows"]
+    by_part = {part: [r for r in rows if r["part"] == part] for part in ("tests", "train", "torch", "kernels", "fla")}
+    assert all(by_part.values()), {k: len(v) for k, v in by_part.items()}
+    assert [r["outcome"] for r in by_part["tests"] if r["test"] == "(all)"] == ["passed"]
+    for part in ("train", "torch", "kernels"):
+        assert not [r for r in by_part[part] if "error" in r], by_part[part]
+    assert {(r["what"], r["model"]) for r in by_part["train"]} == {("recipe", "smollm2-135m"),
+                                                                  ("floor", "llama-3.1-8b")}
+    assert all(r["median_step_s"] > 0 and r["first_step_s"] > 0 for r in by_part["train"] + by_part["torch"])
+    assert all(r["projected_paper_run_h"] > 0 for r in by_part["train"] if r["model"] == "llama-3.1-8b")
+    assert {(r["mech"], r["kernel"]) for r in by_part["kernels"]} >= {("gdn", "pallas"), ("gdn", "chunked"),
+                                                                       ("sinks+window", "pallas"), ("softmax", "xla")}
+    assert all(r["forward_backward_s"] > 0 for r in by_part["kernels"])
+    assert (out / "gpu_check.md").read_text().startswith("# linjax GPU check on")
+    # A second run never overwrites the first one's rows.
+    again = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_bad_parts_are_one_line_and_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, SCRIPT, "--smoke", "--parts", "tests,speed", "--out", str(tmp_path)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--parts" in result.stderr
