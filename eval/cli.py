@@ -6,7 +6,8 @@
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
-    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] [--out DIR] [--resume]
+    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B]
+        [--out DIR] [--resume | --overwrite] [--trust-remote-code]
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -81,11 +82,16 @@ def _ruler(args):
 
 
 def _lm_eval(args):
+    if args.out and not (args.resume or args.overwrite) and \
+            os.path.isfile(os.path.join(args.out, "lm_eval_results.json")):
+        raise FileExistsError(f"{os.path.abspath(args.out)} already holds lm-eval results (lm_eval_results.json); "
+                              "--resume goes on with them, --overwrite replaces them, or choose another --out")
     out = args.out or lm_eval_bridge.default_out_dir(args.model, resume=args.resume)
     print(f"lm-eval results will be written to {out}", flush=True)  # before the long run, as lm-eval's CLI
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
                                 num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=out,
-                                share_prefixes=not args.no_shared_prefixes, resume=args.resume)
+                                share_prefixes=not args.no_shared_prefixes, resume=args.resume,
+                                trust_remote_code=args.trust_remote_code)
     print(result["table_markdown"])
     print(f"→ {os.path.join(out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
 
@@ -145,7 +151,7 @@ def add_eval_parser(sub) -> None:
                         "(the baseline with no linear state)")
     p.add_argument("--haystack", help="haystack text for niah_single_2/3, multikey, multivalue and multiquery "
                                       "(default: RULER's Paul Graham essays)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")
     watchdog.add_argument(p)
     p.set_defaults(func=_ruler, watched="linjax eval ruler")
@@ -173,9 +179,15 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--out", help="output directory (lm_eval_results.json, results.md); default: MODEL/lm_eval for a "
                                  "model directory, else runs/lm-eval/<model name>, numbered -2, -3, ... when "
                                  "earlier results are there")
-    p.add_argument("--resume", action="store_true",
-                   help="go on from a killed or earlier run with the same settings in --out (without --out: the "
-                        "latest default directory): its finished tasks and the requests it had scored are kept")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="go on from a killed or earlier run with the same settings in --out (without --out: the "
+                            "latest default directory): its finished tasks and the requests it had scored are kept")
+    again.add_argument("--overwrite", action="store_true",
+                       help="replace the results an explicit --out holds (without it such an --out is refused)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run MODEL's own Python files (its config's auto_map) even when they are "
+                        "not linjax's export code; without this flag only linjax's own modeling files run")
     p.add_argument("--no-shared-prefixes", action="store_true",
                    help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
                         "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")
