@@ -126,3 +126,29 @@ def test_an_explicit_out_holding_results_needs_overwrite(fake_lm_eval, tmp_path,
     assert fake_lm_eval == [(str(out), False), (str(out), True), (str(out), False)]
     status, _, err = run_cli(command + ["--resume", "--overwrite"], capsys)
     assert status == 2 and "not allowed with argument" in err
+
+
+@pytest.mark.parametrize("argv, results", [
+    (["eval", "perplexity", "no-such-model", "--data", "d.txt", "--out", "{out}"], "."),
+    (["eval", "ruler", "no-such-model", "--out", "{out}"], "."),
+    (["eval", "approx", "no-such-model", "s", "--data", "d", "--out", "{out}"], "approx.json"),
+    (["eval", "diagnostics", "no-such-model", "--data", "d", "--out", "{out}"], "diagnostics.json"),
+    (["eval", "select-layers", "--layers", "4", "--keep", "1", "--out", "{out}"], "."),
+])
+def test_every_evaluation_keeps_earlier_results_without_overwrite(argv, results, tmp_path, capsys):
+    out = tmp_path / "results"
+    if results == ".":  # the results are one file
+        out.write_text("earlier results\n")
+        marker = out
+    else:
+        out.mkdir()
+        marker = out / results
+        marker.write_text("earlier results\n")
+    argv = [a.format(out=out) for a in argv]
+    status, _, err = run_cli(argv, capsys)
+    assert status == 2
+    line = one_line_error(err)
+    assert str(out) in line and "--overwrite" in line
+    assert marker.read_text() == "earlier results\n"
+    status, _, err = run_cli(argv + ["--overwrite"], capsys)  # gets past the check (to the missing model)
+    assert "already holds results" not in err
