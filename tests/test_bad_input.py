@@ -168,6 +168,7 @@ def test_experiment_numbers_are_range_checked_where_parsed(setting, named, tmp_p
     ["eval", "ruler", "m", "--out", "x.json", "--watchdog", "nan"],
     ["linearize", "m", "--out", "o", "--seed", "-1"],
     ["generate", "m", "--prompt", "hi", "--seed", "-3"],
+    ["bench", "latency", "--seed", "-1"],
 ])
 def test_flags_are_range_checked_by_the_parser(argv, capsys):
     status, _, err = run_cli(argv, capsys)
