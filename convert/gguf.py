@@ -60,8 +60,20 @@ def gguf_hf_config(reader, path: str = "GGUF file") -> dict:
                              "with llama.cpp's convert_hf_to_gguf.py")
         return value
 
-    heads = int(get("attention.head_count", required=True))
-    hidden = int(get("embedding_length", required=True))
+    def count(key, default=None, required=False, minimum=1):
+        """An integer setting shared by all layers (llama.cpp stores some per layer, as arrays, for models
+        whose layers differ; linjax builds models whose layers agree)."""
+        value = get(key, default, required)
+        if isinstance(value, list):
+            raise ValueError(f"{path}: GGUF '{arch}.{key}' is a per-layer list ({_short(value)}); linjax builds "
+                             "models whose layers all have the same shape")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{path}: GGUF '{arch}.{key}' must be an integer ≥ {minimum}, got {value!r}; the file "
+                             "is damaged or from another converter")
+        return value
+
+    heads = count("attention.head_count", required=True)
+    hidden = count("embedding_length", required=True)
     names = {t.name for t in reader.tensors}
     vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     if not vocab:
@@ -71,11 +83,11 @@ def gguf_hf_config(reader, path: str = "GGUF file") -> dict:
         "model_type": _ARCHITECTURES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)),
+        "intermediate_size": count("feed_forward_length", required=True),
+        "num_hidden_layers": count("block_count", required=True),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "num_key_value_heads": count("attention.head_count_kv", heads),
+        "head_dim": count("attention.key_length", hidden // heads),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", required=True)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
@@ -87,6 +99,10 @@ def gguf_hf_config(reader, path: str = "GGUF file") -> dict:
     if scaling_type not in (None, "none"):
         raise ValueError(f"{path}: GGUF RoPE scaling {scaling_type!r} is not supported")
     return config
+
+
+def _short(value: list) -> str:
+    return repr(value[:8])[:-1] + (", ...]" if len(value) > 8 else "]")
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -164,6 +180,9 @@ def load_gguf_tokenizer(path: str, reader=None):
         tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
     for name, key in _SPECIAL_TOKEN_KEYS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and not 0 <= token_id < len(tokenizer_dict["tokens"]):
+            raise ValueError(f"{path}: GGUF 'tokenizer.ggml.{key}' is {token_id}, not one of the file's "
+                             f"{len(tokenizer_dict['tokens'])} tokens; the file is damaged")
         tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

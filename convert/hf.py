@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from linjax.config import ModelConfig
 from linjax.model import CausalLM, abstract_model
@@ -133,9 +133,13 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"shard {name!r} listed in the index is missing from {directory!r}")
-        with safe_open(path, framework="numpy") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as err:  # a download or copy cut short, or another format under this name
+            raise ValueError(f"could not read {path} ({os.path.getsize(path)} bytes): {err}. The file is truncated "
+                             "or damaged; download or convert the model again") from err
     return tensors
 
 

@@ -66,9 +66,13 @@ def convert_gguf_to_hf_directory(path: str, directory: str) -> str:
     """Dequantises a GGUF file into an HF directory (config, fp32 safetensors, tokenizer), atomically."""
     reader = gguf.open_gguf(path)
     config = gguf.gguf_hf_config(reader, path)
+    try:  # checked before the slow dequantisation: e.g. an EOS id outside the vocabulary
+        model_config = ModelConfig.from_hf(config)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
     tensors = gguf.gguf_tensors(reader, config, path)
     tokenizer = gguf.load_gguf_tokenizer(path, reader)
-    config = {**ModelConfig.from_hf(config).to_hf(), "torch_dtype": "float32"}
+    config = {**model_config.to_hf(), "torch_dtype": "float32"}
     hf.write_hf_directory(directory, config, tensors, tokenizer)
     return directory
 

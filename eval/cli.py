@@ -6,7 +6,8 @@
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
-    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B] [--out DIR] [--resume]
+    linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B]
+        [--out DIR] [--resume | --overwrite] [--trust-remote-code]
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -25,7 +26,22 @@ from linjax.eval.perplexity import perplexity, token_windows
 from linjax.files import write_json
 
 
+def _refuse_earlier_results(args, results: str | None, resume: bool = False) -> None:
+    """An --out holding `results` of an earlier run is replaced only with --overwrite (or continued with
+    --resume, where the command has it): one line naming it otherwise, before any work."""
+    if results and os.path.exists(results) and not (args.overwrite or resume):
+        go_on = "--resume goes on with them, " if hasattr(args, "resume") else ""
+        raise FileExistsError(f"{os.path.abspath(args.out)} already holds results ({os.path.basename(results)}); "
+                              f"{go_on}--overwrite replaces them, or choose another --out")
+
+
+def _add_overwrite(parser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results --out holds (without it such an --out is refused)")
+
+
 def _perplexity(args):
+    _refuse_earlier_results(args, args.out)
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
     rows = []
@@ -49,6 +65,7 @@ def _perplexity(args):
 
 
 def _approx(args):
+    _refuse_earlier_results(args, os.path.join(args.out, "approx.json"))
     result = approx.run(args.teacher, args.student, data=args.data, num_seqs=args.num_seqs, seq_len=args.seq_len,
                         out_dir=args.out)
     print("| layer | MSE | nMSE |\n|---|---|---|")
@@ -58,6 +75,7 @@ def _approx(args):
 
 
 def _diagnostics(args):
+    _refuse_earlier_results(args, os.path.join(args.out, "diagnostics.json"))
     result = diagnostics.run(args.source, data=args.data, num_seqs=args.num_seqs, seq_len=args.seq_len,
                              out_dir=args.out, student=args.student)
     c, r = result["per_token"]["concentration"], result["per_token"]["residual"]
@@ -67,12 +85,14 @@ def _diagnostics(args):
 
 
 def _select_layers(args):
+    _refuse_earlier_results(args, args.out)
     layers = select_layers.select(args.layers, args.keep, args.by, args.scores)
     select_layers.write_fragment(layers, args.out, f"linjax eval select-layers --keep {args.keep} --by {args.by}")
     print(f"keep full attention in layers {layers} → {args.out} (use: linjax train CONFIG --include {args.out})")
 
 
 def _ruler(args):
+    _refuse_earlier_results(args, args.out)
     result = ruler.run(args.model, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                        out=args.out, budgets=args.budgets or None, sinks=args.sinks,
                        window_only=args.window_only, haystack=args.haystack,
@@ -81,11 +101,13 @@ def _ruler(args):
 
 
 def _lm_eval(args):
+    _refuse_earlier_results(args, args.out and os.path.join(args.out, "lm_eval_results.json"), args.resume)
     out = args.out or lm_eval_bridge.default_out_dir(args.model, resume=args.resume)
     print(f"lm-eval results will be written to {out}", flush=True)  # before the long run, as lm-eval's CLI
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
                                 num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=out,
-                                share_prefixes=not args.no_shared_prefixes, resume=args.resume)
+                                share_prefixes=not args.no_shared_prefixes, resume=args.resume,
+                                trust_remote_code=args.trust_remote_code)
     print(result["table_markdown"])
     print(f"→ {os.path.join(out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
 
@@ -106,6 +128,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="JSON file for the results")
     watchdog.add_argument(p)
+    _add_overwrite(p)
     p.set_defaults(func=_perplexity, watched="linjax eval perplexity")
 
     p = evals.add_parser("approx", help="per-layer and per-token approximation error (MSE, nMSE) of a student")
@@ -116,6 +139,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--seq-len", type=positive_int, default=512)
     p.add_argument("--out", required=True, help="output directory (approx.json, PNG plots)")
     watchdog.add_argument(p)
+    _add_overwrite(p)
     p.set_defaults(func=_approx, watched="linjax eval approx")
 
     p = evals.add_parser("diagnostics", help="key concentration C_t and projection residual R_t per token")
@@ -126,6 +150,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--seq-len", type=positive_int, default=512)
     p.add_argument("--out", required=True, help="output directory (diagnostics.json, PNG plots)")
     watchdog.add_argument(p)
+    _add_overwrite(p)
     p.set_defaults(func=_diagnostics, watched="linjax eval diagnostics")
 
     p = evals.add_parser("ruler", help="RULER's synthetic tasks (S-NIAH 1/2/3, multi-key/value/query, variable "
@@ -145,9 +170,10 @@ def add_eval_parser(sub) -> None:
                         "(the baseline with no linear state)")
     p.add_argument("--haystack", help="haystack text for niah_single_2/3, multikey, multivalue and multiquery "
                                       "(default: RULER's Paul Graham essays)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")
     watchdog.add_argument(p)
+    _add_overwrite(p)
     p.set_defaults(func=_ruler, watched="linjax eval ruler")
 
     p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
@@ -157,6 +183,7 @@ def add_eval_parser(sub) -> None:
                    help="evenly spaced, or the hardest layers: lowest concentration, highest residual or nMSE")
     p.add_argument("--scores", help="diagnostics.json (concentration, residual) or approx.json (nmse)")
     p.add_argument("--out", required=True, help="the TOML fragment to write")
+    _add_overwrite(p)
     p.set_defaults(func=_select_layers)
 
     p = evals.add_parser("lm-eval", help="downstream tasks (piqa, arc_easy, ..., mmlu) with lm-evaluation-harness")
@@ -173,9 +200,15 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--out", help="output directory (lm_eval_results.json, results.md); default: MODEL/lm_eval for a "
                                  "model directory, else runs/lm-eval/<model name>, numbered -2, -3, ... when "
                                  "earlier results are there")
-    p.add_argument("--resume", action="store_true",
-                   help="go on from a killed or earlier run with the same settings in --out (without --out: the "
-                        "latest default directory): its finished tasks and the requests it had scored are kept")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="go on from a killed or earlier run with the same settings in --out (without --out: the "
+                            "latest default directory): its finished tasks and the requests it had scored are kept")
+    again.add_argument("--overwrite", action="store_true",
+                       help="replace the results an explicit --out holds (without it such an --out is refused)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run MODEL's own Python files (its config's auto_map) even when they are "
+                        "not linjax's export code; without this flag only linjax's own modeling files run")
     p.add_argument("--no-shared-prefixes", action="store_true",
                    help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
                         "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")

@@ -38,7 +38,7 @@ import time
 from importlib import metadata
 
 import linjax
-from linjax.arguments import argument_type, positive_float, positive_int
+from linjax.arguments import argument_type, non_negative_int, positive_float, positive_int
 from linjax.eval import latency_point
 from linjax.eval.latency_point import IMPLEMENTATIONS, kv_cache_bytes
 from linjax.files import pyplot, write_figure, write_json, write_text
@@ -405,7 +405,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, help="cores for each point's process, torch and XLA alike "
                                                           "(default: all; 1 keeps a busy machine from thrashing)")
     parser.add_argument("--timeout-s", type=positive_float, help="give up on a point after this long")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--out", default=os.path.join("bench", "results", "latency"),
                         help="output directory: latency.json, latency.md, latency.png")
 

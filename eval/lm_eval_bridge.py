@@ -3,7 +3,8 @@
     run(model_spec, tasks=["piqa", "arc_easy"], data_dir=None | DIR, limit=None, out_dir=DIR)
 
 The model: an exported Hugging Face directory (has config.json; a linearized linjax export
-loads with trust_remote_code=True), or anything `linjax.eval.models.load_model` accepts
+loads with trust_remote_code=True, given only to linjax's own modeling files, see
+`remote_code_trusted`), or anything `linjax.eval.models.load_model` accepts
 (smollm2-135m, a checkpoint, a training run directory, ...), exported on the fly with
 `linjax.save_hf` into a temporary directory. It is scored in float32 (on CUDA when torch sees
 a GPU) by `SharedPrefixHFLM` (eval/shared_prefix_lm.py): lm-eval's HFLM with each shared
@@ -133,6 +134,48 @@ def sample_records(samples) -> list[dict]:
     return records
 
 
+def remote_code_trusted(directory: str, trust_remote_code: bool = False) -> bool:
+    """Whether transformers may run the Python files of HF directory `directory` (trust_remote_code).
+
+    Only when its config asks for its own code (`auto_map`) and every .py file there is byte-identical to
+    linjax's export code (convert/modeling_linjax*.py: a linjax export of a linearized model), or the user
+    said `trust_remote_code`. Any other code asked for is refused (ValueError): running a downloaded folder's
+    Python is the user's decision. Without `auto_map` nothing needs to run."""
+    from linjax.convert.export import MODELING_FILES
+
+    with open(os.path.join(directory, "config.json")) as f:
+        auto_map = json.load(f).get("auto_map")
+    if not auto_map or trust_remote_code:
+        return bool(auto_map)
+    ours = {os.path.basename(path): path for path in MODELING_FILES}
+    theirs = sorted(name for name in os.listdir(directory) if name.endswith(".py"))
+    foreign = [name for name in theirs if name not in ours or not _same_bytes(os.path.join(directory, name),
+                                                                            ours[name])]
+    # A reference of the form "org/repo--module.Class" fetches code from the hub instead.
+    remote = [ref for ref in _references(auto_map) if "--" in ref]
+    if foreign or remote or not theirs:
+        what = f"files that are not linjax's own export code: {', '.join(foreign)}" if foreign else \
+            f"code from elsewhere: {', '.join(remote)}" if remote else "code it does not hold"
+        older = foreign and all(name in ours for name in foreign)  # e.g. exported by another linjax version
+        hint = " (or export the model again with this linjax)" if older else ""
+        raise ValueError(f"{directory} asks transformers to run its own Python (auto_map in config.json), "
+                         f"{what}. Pass --trust-remote-code if you trust that code{hint}")
+    return True
+
+
+def _references(auto_map) -> list[str]:
+    """The "module.Class" strings of an auto_map (a tokenizer's entry is a pair)."""
+    refs = []
+    for value in auto_map.values():
+        refs.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str))
+    return refs
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
 def is_hf_directory(path: str) -> bool:
     """A transformers model directory (config.json with a model_type), not e.g. a training run directory,
     whose config.json is the experiment."""
@@ -207,7 +250,7 @@ def _jsonable(x):
 
 def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | float | None = None,
         num_fewshot: int | None = None, batch_size: int = 8, out_dir: str, share_prefixes: bool = True,
-        resume: bool = False, samples: bool = False) -> dict:
+        resume: bool = False, samples: bool = False, trust_remote_code: bool = False) -> dict:
     """Evaluates a model on user-named tasks; writes lm_eval_results.json and results.md to out_dir.
 
     share_prefixes: score through `SharedPrefixHFLM` (each shared context prefix computed once; the same
@@ -215,6 +258,8 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     resume: keep what an earlier run with the same model and settings did in out_dir: its finished
     tasks, and the requests it scored of the task it was killed in (the model files must be unchanged).
     samples: also write samples_<task>.jsonl (one `sample_records` record a line) for every leaf task run.
+    trust_remote_code: let transformers run an HF directory's own modeling code even when it is not linjax's
+    (see `remote_code_trusted`).
     """
     # Optional and heavy (lm-eval, torch, transformers): `pip install linjax[eval]`.
     import lm_eval
@@ -239,7 +284,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     def summary() -> dict:
         done = [t for t in tasks if t in seconds]
         out = {
-            "model": model_spec, "weights_sha256": digest, "tasks": tasks, "finished_tasks": done,
+            "model": model_spec, "model_sha256": digest, "tasks": tasks, "finished_tasks": done,
             "data_dir": os.path.abspath(data_dir) if local else None,
             "source": "local files" if local else "lm-eval hub tasks",
             "lm_eval_version": lm_eval.__version__, "limit": limit,
@@ -253,9 +298,11 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         return out
 
     with hf_directory(model_spec) as directory:
-        # What the scores depend on is the weights, not the path: a model retrained in place must not
-        # inherit the earlier model's finished tasks or cached request scores.
-        digest = weights_digest(directory)
+        # What the scores depend on is the model's files (weights and tokenizer), not the path: a model
+        # retrained in place, or given another tokenizer, must not inherit the earlier finished tasks or
+        # cached request scores.
+        trusted = remote_code_trusted(directory, trust_remote_code)  # refused before any work
+        digest = model_digest(directory)
         if resume:
             earlier = _finished_earlier(out_dir, model_spec, data_dir, limit, shots_of, digest)
             for key, target in (("results", results), ("groups", groups), ("n-samples", n_samples),
@@ -266,14 +313,15 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
             print(f"resuming {out_dir}: {len(finished)} of {len(tasks)} tasks already finished", flush=True)
         # Every scored request goes into lm-eval's request cache (sqlite, committed as it is written), so
         # a run killed inside a long task resumes at the request it had reached. lm-eval keys it by the
-        # request text only, so the file is named after the weights' digest.
+        # request text only, so the file is named after the model files' digest.
         requests_db = os.path.join(out_dir, f"lm_eval_requests-{digest[:16]}")  # CachingLM adds _rank<N>.db
-        if not resume:
-            for path in glob.glob(os.path.join(out_dir, "lm_eval_requests*_rank*.db")):
+        if not resume:  # a fresh run (the caller checked that replacing earlier results is meant)
+            for path in glob.glob(os.path.join(out_dir, "lm_eval_requests*_rank*.db")) + \
+                    glob.glob(os.path.join(out_dir, "samples_*.jsonl")):
                 os.remove(path)
         _write(out_dir, summary())  # the settings before any work, for a later --resume to check
         lm_class = SharedPrefixHFLM if share_prefixes else HFLM
-        lm = lm_class(pretrained=directory, trust_remote_code=True, device=_device(), dtype="float32",
+        lm = lm_class(pretrained=directory, trust_remote_code=trusted, device=_device(), dtype="float32",
                       batch_size=batch_size)
         lm.model.register_forward_hook(lambda *_: watchdog.progress())  # each scored batch is progress
         for t in tasks:
@@ -307,12 +355,21 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def weights_digest(directory: str) -> str:
+# Files of an HF directory that decide how text becomes token ids.
+TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt")
+
+
+def _decides_scores(name: str) -> bool:
+    return (name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".py"))
+            or name.startswith("tokenizer") or name in TOKENIZER_FILES or name.endswith((".model", ".tiktoken")))
+
+
+def model_digest(directory: str) -> str:
     """SHA-256 over the files of an HF directory that decide its scores (config, weights, modeling
-    code), in name order: the identity of the model for resuming an evaluation."""
+    code, tokenizer), in name order: the identity of the model for resuming an evaluation."""
     digest = hashlib.sha256()
     for name in sorted(os.listdir(directory)):
-        if name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".py")):
+        if _decides_scores(name):
             digest.update(name.encode() + b"\0")
             with open(os.path.join(directory, name), "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
@@ -328,9 +385,9 @@ def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: 
         return {}
     with open(path) as f:
         earlier = json.load(f)
-    if earlier.get("weights_sha256") != digest:
-        raise ValueError(f"{path} was scored on other weights than {model_spec!r} has now (content digest "
-                         f"{str(earlier.get('weights_sha256'))[:16]} there, {digest[:16]} now): resuming would "
+    if earlier.get("model_sha256") != digest:
+        raise ValueError(f"{path} was scored on other weights or tokenizer files than {model_spec!r} has now "
+                         f"(content digest {str(earlier.get('model_sha256'))[:16]} there, {digest[:16]} now): resuming would "
                          "mix two models. Write to another --out, or run without --resume")
     theirs = (earlier.get("model"), earlier.get("data_dir"), earlier.get("limit"))
     ours = (model_spec, os.path.abspath(data_dir) if data_dir else None, limit)

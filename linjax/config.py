@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -37,7 +38,7 @@ _HARMLESS_FIELDS = {
     "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
     "num_return_sequences", "output_scores", "remove_invalid_values",
     "repetition_penalty", "return_dict_in_generate", "suppress_tokens", "temperature",
-    "top_k", "top_p", "typical_p", "tf_legacy_loss", "use_bfloat16", "auto_map",
+    "top_k", "top_p", "typical_p", "tf_legacy_loss", "use_bfloat16",
 }
 # Fields the model does not implement, accepted only at the value that makes them a no-op.
 _NO_OP_VALUES = {
@@ -84,6 +85,22 @@ class ModelConfig:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported RoPE type {self.rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"model config: {name} must be an integer ≥ 1, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta", "rope_factor"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ValueError(f"model config: {name} must be a finite number > 0, got {value!r}")
+        for name in ("bos_token_id", "eos_token_id"):
+            # An id outside the vocabulary would index past the embedding table (JAX clamps, silently).
+            value = getattr(self, name)
+            ids = value if isinstance(value, tuple) else () if value is None else (value,)
+            if not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
+                raise ValueError(f"model config: {name} must be a token id in [0, vocab_size={self.vocab_size}) "
+                                 f"or a list of them, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -111,6 +128,10 @@ class ModelConfig:
             elif key == "layer_types":
                 if any(t != "full_attention" for t in value or []):
                     unknown.append(f"layer_types={sorted(set(value))} (only full_attention is implemented)")
+            elif key == "auto_map":  # transformers would build the model from the directory's own code
+                if value:
+                    unknown.append(f"auto_map={_short(value)} (the directory's own modeling code defines this "
+                                   "model; linjax does not run it)")
             elif key == "quantization_config":
                 unknown.append("quantization_config (load an unquantised checkpoint)")
             elif key == "attention_bias" and model_type == "qwen2":
@@ -123,6 +144,10 @@ class ModelConfig:
                 + "; ".join(unknown)
                 + ". Converting would silently change the model; please open an issue with the config.")
 
+        absent = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                              "num_attention_heads") if fields.get(k) is None]
+        if absent:
+            raise ValueError(f"HF config ({model_type}) lacks {', '.join(absent)}; it is incomplete")
         heads = fields["num_attention_heads"]
         rope = _rope_parameters(fields)
         eos = fields.get("eos_token_id")
@@ -133,8 +158,9 @@ class ModelConfig:
             intermediate_size=fields["intermediate_size"],
             num_hidden_layers=fields["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=fields.get("num_key_value_heads") or heads,
-            head_dim=fields.get("head_dim") or fields["hidden_size"] // heads,
+            # Absent (None) means one key/value head per query head; 0 is an error that __post_init__ names.
+            num_key_value_heads=_default_if_none(fields.get("num_key_value_heads"), heads),
+            head_dim=fields.get("head_dim") or _divide(fields["hidden_size"], heads),
             rms_norm_eps=fields.get("rms_norm_eps", 1e-6),
             max_position_embeddings=fields.get("max_position_embeddings", 2048),
             tie_word_embeddings=fields.get("tie_word_embeddings", False),
@@ -186,6 +212,23 @@ _HANDLED_FIELDS = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias",
 }
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _default_if_none(value, default):
+    return default if value is None else value
+
+
+def _divide(hidden_size, heads):
+    """hidden_size // heads, the head size HF assumes without head_dim; bad values are left for __post_init__."""
+    return hidden_size // heads if _is_int(hidden_size) and _is_int(heads) and heads > 0 else hidden_size
 
 
 def _short(value) -> str:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import sys
 import threading
 import time
+
+from linjax.arguments import non_negative_float
 
 DEFAULT_SECONDS = 1200.0
 EXIT_STATUS = 3
@@ -53,6 +56,9 @@ def watch(stage: str, seconds: float | None = DEFAULT_SECONDS, *, hint: str = ""
           on_stall=_stalled):
     """Runs the body under a watchdog for `stage`; `on_stall(stage, seconds, hint)` is called from
     the watchdog thread when no `progress()` came for `seconds` (by default it ends the process)."""
+    if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds)):
+        # nan compares false with everything: such a watchdog would spin and never fire
+        raise ValueError(f"watchdog seconds must be a finite number (0: off), got {seconds!r}")
     if not seconds or seconds <= 0:
         yield
         return
@@ -89,6 +95,7 @@ def watch(stage: str, seconds: float | None = DEFAULT_SECONDS, *, hint: str = ""
 
 def add_argument(parser) -> None:
     """`--watchdog SECONDS` on a long-running command."""
-    parser.add_argument("--watchdog", type=float, default=DEFAULT_SECONDS, metavar="SECONDS",
+    # finite and ≥ 0, checked as it is parsed: `--watchdog nan` would never fire
+    parser.add_argument("--watchdog", type=non_negative_float, default=DEFAULT_SECONDS, metavar="SECONDS",
                         help=f"end with an error naming the stage when it makes no progress for this long "
                              f"(default {DEFAULT_SECONDS:.0f}; 0: never)")

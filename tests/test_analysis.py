@@ -12,6 +12,7 @@ from linjax.config import tiny_config
 from linjax.eval import approx, diagnostics, select_layers
 from linjax.mixers.softmax import SoftmaxAttention
 from linjax.model import CausalLM
+from tests.helpers import require_module
 
 
 def brute_force_c_and_r(keys, eps=1e-6):
@@ -55,7 +56,7 @@ def base():
 def teacher_attention_in_torch(base, tokens, tmp_path):
     """(h, y) [layers, B, T, d]: each layer's attention input (after input_layernorm) and output (after
     o_proj) in the teacher, from transformers' own Llama through forward hooks, not from linjax."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     from transformers import AutoModelForCausalLM
 
     linjax.save_hf(base, str(tmp_path / "teacher"))

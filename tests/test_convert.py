@@ -14,7 +14,7 @@ from linjax.config import ModelConfig
 from linjax.convert import gguf as gguf_convert
 from linjax.convert.hf import model_from_tensors, read_safetensors
 from tests.conftest import hf_config, save_random_hf_model, torch_logits
-from tests.helpers import relative_rms
+from tests.helpers import relative_rms, require_module
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
 
@@ -63,7 +63,7 @@ def write_tiny_gguf(torch_model, config, path):
 
 @pytest.fixture
 def tiny_gguf(tmp_path):
-    pytest.importorskip("torch")
+    require_module("torch")
     config = hf_config("llama", tie_word_embeddings=False)
     torch_model = save_random_hf_model(config, str(tmp_path / "hf"))
     path = str(tmp_path / "tiny.gguf")
@@ -93,7 +93,7 @@ def test_truncated_gguf_is_a_clear_error(tiny_gguf, tmp_path):
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-8b"])
 def test_parameter_counts_match_transformers(name):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = os.path.join(FIXTURES, f"{name}.json")
@@ -134,7 +134,7 @@ def test_unknown_config_field_names_it():
 
 
 def test_missing_and_misshaped_tensors_are_listed(tmp_path):
-    pytest.importorskip("torch")
+    require_module("torch")
     from safetensors.numpy import save_file
 
     save_random_hf_model(hf_config("llama"), str(tmp_path))
@@ -164,7 +164,7 @@ def test_nonexistent_sources_are_clear_errors(tmp_path):
 
 
 def test_linjax_checkpoint_round_trip(tmp_path):
-    pytest.importorskip("torch")
+    require_module("torch")
     from linjax.convert.checkpoint import save_checkpoint
 
     save_random_hf_model(hf_config("qwen3"), str(tmp_path / "hf"))

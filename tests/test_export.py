@@ -34,6 +34,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers import python_environment, require_embedded_model
+
 MECHANISMS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
 ADAPTERS = (None, "shortconv", "lora")
 WINDOWS = ((0, 0), (64, 0), (56, 8))
@@ -46,7 +48,6 @@ TOLERANCE = 1e-4
 # scale: 1.4e-5); the 20 greedy tokens must still be identical.
 SMOLLM2_TOLERANCE = 5e-4
 SEQUENCE = 150  # longer than the window, so the shifted linear term is exercised
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def base_config(model_type: str):
@@ -198,7 +199,7 @@ print(json.dumps(results))
 
 
 def _run(args, cwd):
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": ROOT}
+    env = python_environment(TRANSFORMERS_VERBOSITY="error")
     done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise AssertionError(f"subprocess failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
@@ -208,7 +209,7 @@ def _run(args, cwd):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_export_matches_linjax_without_jax(model_type, tmp_path):
     root = str(tmp_path)
-    _run(["-c", f"from tests.test_export import write_cases; write_cases({model_type!r}, {root!r})"], cwd=ROOT)
+    _run(["-c", f"from tests.test_export import write_cases; write_cases({model_type!r}, {root!r})"], cwd=root)
     results = json.loads(_run(["-c", TORCH_CHECK, root], cwd=root).strip().splitlines()[-1])
     print(json.dumps(results, indent=1))
     with open(os.path.join(root, "manifest.json")) as f:
@@ -363,14 +364,9 @@ print(json.dumps({"max_abs": float(np.abs(logits - data["logits"]).max()),
 def test_smollm2_export_matches_linjax_without_jax(tmp_path):
     """The real SmolLM2-135M, linearized with the paper's recipe: logits within 2.5e-4 and the same 20 greedy
     tokens (PyTorch decoding with LinjaxCache against linjax.generate)."""
-    from linjax.convert.sources import embedded_gguf_path
-
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+    require_embedded_model()
     root = str(tmp_path)
-    _run(["-c", f"from tests.test_export import write_smollm2_case; write_smollm2_case({root!r})"], cwd=ROOT)
+    _run(["-c", f"from tests.test_export import write_smollm2_case; write_smollm2_case({root!r})"], cwd=root)
     result = json.loads(_run(["-c", SMOLLM2_CHECK, root], cwd=root).strip().splitlines()[-1])
     print(json.dumps(result))
     assert result["max_abs"] <= SMOLLM2_TOLERANCE, f"max abs logit difference {result['max_abs']:.2e}"

@@ -18,6 +18,7 @@ from linjax.eval import latency
 from linjax.eval.latency_point import (build_linjax_model, greedy_step_function, kv_cache_bytes, random_states,
                                        state_bytes, state_shapes, with_length)
 from linjax.model import CausalLM
+from tests.helpers import require_module
 
 BATCH, LENGTH, NEW = 2, 70, 3  # 70 > sinks + window = 64: the stand-in's window ring counts as full
 
@@ -77,7 +78,7 @@ def test_linear_state_is_the_same_size_at_every_length_and_the_kv_cache_grows_li
 
 
 def test_transformers_stand_in_cache_holds_l_random_positions_and_decodes(tiny_hf_dir):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     from transformers import AutoModelForCausalLM
 
     from linjax.eval.latency_point import random_dynamic_cache
@@ -97,7 +98,7 @@ def test_transformers_stand_in_cache_holds_l_random_positions_and_decodes(tiny_h
 def test_a_point_with_the_real_prefill(tiny_hf_dir, impl):
     """The `--real-prefill` path of a point, measured in this process (the benchmark runs it in its own)."""
     if impl == "transformers":
-        pytest.importorskip("torch")
+        require_module("torch")
     from linjax.eval.latency_point import measure_linjax, measure_transformers
 
     settings = {"length": 16, "batch": BATCH, "decode_tokens": 2, "repeats": 2, "real_prefill": True}

@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
+from tests.helpers import require_embedded_model, require_module
+
+require_module("lm_eval", "pip install -e '.[eval]'")
 
 from linjax.eval import lm_eval_bridge  # noqa: E402
 
@@ -131,12 +133,7 @@ def test_smollm2_scores_match_transformers_hflm(shared_data, tmp_path):
     the model transformers loads from the same GGUF, on the first documents of every local task. The same
     requests (hashes of each context and continuation: a changed prompt, target or data file fails), the same
     chosen answers, greedy flags and per-document metrics, the log-likelihoods within LOGLIKELIHOOD_ATOL."""
-    from linjax.convert.sources import embedded_gguf_path
-
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+    require_embedded_model()
     with open(EXPECTED) as f:
         expected = json.load(f)
     rerun = "(an intended change? rerun tests/fixtures/make_lm_eval_expected.py and commit its JSON)"
@@ -170,12 +167,7 @@ def test_smollm2_local_tasks(variant, shared_data, tmp_path):
     """The paper's tasks from the local files on the real model linearized (GDN + w56 + s8 + short conv) with its
     new parameters trained for two steps, through `linjax export`'s PyTorch module. (The original model's
     scores are pinned by test_smollm2_scores_match_transformers_hflm.)"""
-    from linjax.convert.sources import embedded_gguf_path
-
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+    require_embedded_model()
     model = "smollm2-135m"
     if variant != "original":
         from linjax.train.config import from_dict

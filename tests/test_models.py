@@ -6,9 +6,9 @@ import pytest
 
 import linjax
 from tests.conftest import hf_config, save_random_hf_model, torch_logits
-from tests.helpers import relative_rms
+from tests.helpers import relative_rms, require_module
 
-pytest.importorskip("torch")
+require_module("torch")
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}

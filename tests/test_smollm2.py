@@ -6,8 +6,9 @@ import pytest
 
 import linjax
 from linjax.generate import generate
+from tests.helpers import require_embedded_model, require_module
 
-pytest.importorskip("torch")
+require_module("torch")
 pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -19,12 +20,7 @@ def both_models():
 
     from transformers import AutoModelForCausalLM
 
-    from linjax.convert.sources import embedded_gguf_path
-
-    try:
-        path = embedded_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
+    path = require_embedded_model()
     ours, tokenizer = linjax.load("smollm2-135m")
     theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   dtype="float32", attn_implementation="eager").eval()

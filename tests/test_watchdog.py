@@ -4,13 +4,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 
 from linjax import watchdog
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import python_environment
 
 
 def test_progress_keeps_a_stage_alive_and_silence_stops_it():
@@ -26,7 +26,7 @@ def test_progress_keeps_a_stage_alive_and_silence_stops_it():
     assert stalls == [("silent", 0.5)]
 
 
-def test_a_stopped_and_resumed_process_is_not_a_stall():
+def test_a_stopped_and_resumed_process_is_not_a_stall(tmp_path):
     """A process stopped (SIGSTOP, Ctrl-Z, a scheduler's suspend) for longer than the limit, then
     resumed, goes on: the time it was stopped does not count. A silent stage still stops after."""
     code = """
@@ -41,8 +41,8 @@ def test_a_stopped_and_resumed_process_is_not_a_stall():
         with watchdog.watch("silent", 1.0):
             time.sleep(30)
     """
-    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    process = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=python_environment())
     assert process.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     process.send_signal(signal.SIGSTOP)
@@ -61,8 +61,8 @@ def test_off_when_seconds_is_zero_or_none():
 
 
 def _run_python(code: str, timeout: float = 120):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tempfile.gettempdir(),
+                          capture_output=True, text=True, timeout=timeout, env=python_environment())
 
 
 def test_a_stalled_linjax_run_stage_exits_with_its_name(tmp_path):

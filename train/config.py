@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import tomllib
 from typing import Any
 
@@ -36,6 +38,37 @@ REMAT_POLICY = {"none": None, "layer": "dots", "full": "full"}  # → CausalLM.r
 GPU_LOSS_CHUNK = 1024
 
 
+def check_number(name: str, value, *, integer: bool = False, at_least=None, above=None, optional: bool = False):
+    """ValueError naming `name` unless `value` is a finite number (an integer if `integer`) ≥ `at_least` and
+    > `above`; None passes when `optional`. TOML has nan, inf and booleans, and quotes make strings: all refused."""
+    if value is None and optional:
+        return
+    kind = "an integer" if integer else "a finite number"
+    bound = f" ≥ {at_least}" if at_least is not None else f" > {above}" if above is not None else ""
+    valid = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool) \
+        and math.isfinite(value) and (at_least is None or value >= at_least) and (above is None or value > above)
+    if not valid:
+        raise ValueError(f"{name} must be {kind}{bound}{' (or left out)' if optional else ''}, got {value!r}")
+
+
+def check_text(name: str, value, *, optional: bool = False, choices=None):
+    """ValueError naming `name` unless `value` is a string (one of `choices`, if given)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        wanted = f"one of {list(choices)}" if choices is not None else "a string"
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+
+
+def check_list(name: str, value, check_item) -> tuple:
+    """`value` (a TOML list) as a tuple, each item passed to `check_item(item_name, item)`."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list like [...], got {value!r}")
+    for i, item in enumerate(value):
+        check_item(f"{name}[{i}]", item)
+    return tuple(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     source: str = "smollm2-135m"  # HF id, HF directory, .gguf file, or "smollm2-135m"
@@ -44,8 +77,8 @@ class ModelSection:
     dtype: str = "auto"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check_text("model.source", self.source)
+        check_text("model.dtype", self.dtype, choices=DTYPES)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
 
 
@@ -59,7 +92,12 @@ class DataSection:
     shuffle_buffer: int = 10_000  # streaming datasets only
 
     def __post_init__(self):
-        object.__setattr__(self, "paths", tuple(self.paths))
+        object.__setattr__(self, "paths", check_list("data.paths", self.paths, check_text))
+        for name in ("dataset", "dataset_config"):
+            check_text(f"data.{name}", getattr(self, name), optional=True)
+        check_text("data.split", self.split)
+        check_text("data.text_field", self.text_field)
+        check_number("data.shuffle_buffer", self.shuffle_buffer, integer=True, at_least=1)
         if bool(self.paths) == bool(self.dataset):
             raise ValueError("[data] needs exactly one of `paths` (local files or folders) or `dataset` "
                              f"(a Hugging Face dataset name); got paths={list(self.paths)}, dataset={self.dataset!r}")
@@ -89,19 +127,26 @@ class TrainSection:
     loss_chunk: int | str = "auto"  # positions per LM-head piece; 0: all at once; "auto": 1,024 on CUDA, else 0
 
     def __post_init__(self):
-        if self.remat not in REMATS:
-            raise ValueError(f"train.remat must be one of {list(REMATS)}, got {self.remat!r}")
+        check_text("train.remat", self.remat, choices=REMATS)
         if self.loss_chunk != "auto" and not (isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool)
                                               and self.loss_chunk >= 0):
             raise ValueError(f"train.loss_chunk must be \"auto\" or an integer ≥ 0 (0: the whole sequence at once), "
                              f"got {self.loss_chunk!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"train.objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
-        for name in ("steps", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be ≥ 1, got {getattr(self, name)}")
+        for name in ("steps", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints", "mesh_fsdp"):
+            check_number(f"train.{name}", getattr(self, name), integer=True, at_least=1)
         if self.seq_len < 2:
             raise ValueError("train.seq_len must be ≥ 2 (one token to predict from another)")
+        check_number("train.warmup_steps", self.warmup_steps, integer=True, at_least=0)
+        check_number("train.lr", self.lr, at_least=0, optional=True)  # 0: the parameters stay where they start
+        check_number("train.weight_decay", self.weight_decay, at_least=0)
+        check_number("train.grad_clip", self.grad_clip, above=0)
+        check_number("train.seed", self.seed, integer=True, at_least=0)
+        check_number("train.mesh_data", self.mesh_data, integer=True, at_least=-1)
+        if self.mesh_data == 0:
+            raise ValueError("train.mesh_data must be ≥ 1, or -1 for all devices not used by fsdp; got 0")
+        check_text("train.init_from", self.init_from, optional=True)
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"train.warmup_steps must be in [0, steps={self.steps}) so the cosine decay has "
                              f"steps left; got {self.warmup_steps} (lower it with --set train.warmup_steps=N)")
@@ -150,8 +195,21 @@ class EvalSection:
     compare: bool = True
 
     def __post_init__(self):
-        for name in ("run", "lm_eval_tasks", "ruler_tasks", "ruler_lengths", "ruler_budgets"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("run", "lm_eval_tasks", "ruler_tasks"):
+            object.__setattr__(self, name, check_list(f"eval.{name}", getattr(self, name), check_text))
+        for name in ("ruler_lengths", "ruler_budgets"):
+            object.__setattr__(self, name, check_list(
+                f"eval.{name}", getattr(self, name),
+                lambda item_name, item: check_number(item_name, item, integer=True, at_least=1)))
+        for name, least in (("perplexity_seq_len", 2), ("approx_num_seqs", 1), ("approx_seq_len", 1),
+                            ("ruler_samples", 1)):
+            check_number(f"eval.{name}", getattr(self, name), integer=True, at_least=least)
+        check_number("eval.perplexity_windows", self.perplexity_windows, integer=True, at_least=1, optional=True)
+        check_number("eval.lm_eval_limit", self.lm_eval_limit, above=0, optional=True)
+        for name in ("perplexity_data", "approx_data", "lm_eval_data_dir"):
+            check_text(f"eval.{name}", getattr(self, name), optional=True)
+        if not isinstance(self.compare, bool):
+            raise ValueError(f"eval.compare must be true or false, got {self.compare!r}")
         unknown = sorted(set(self.run) - set(EVALUATIONS))
         if unknown:
             raise ValueError(f"eval.run: unknown evaluation(s) {unknown}; choose from {list(EVALUATIONS)}")
@@ -248,7 +306,11 @@ def from_dict(raw: dict) -> ExperimentConfig:
                          "expected run_dir, [model], [linearize], [data], [train], [eval]")
     if "run_dir" not in raw:
         raise ValueError("the experiment needs `run_dir = \"...\"` (where checkpoints and metrics go)")
-    kwargs: dict[str, Any] = {"run_dir": str(raw["run_dir"])}
+    run_dir = os.fspath(raw["run_dir"]) if isinstance(raw["run_dir"], os.PathLike) else raw["run_dir"]
+    check_text("run_dir", run_dir)
+    if not run_dir.strip():
+        raise ValueError("run_dir is empty; name the folder for the run's checkpoints and metrics")
+    kwargs: dict[str, Any] = {"run_dir": run_dir}
     for section, cls in _SECTIONS.items():
         if section in raw:
             kwargs[section] = _build(cls, raw[section], section)

@@ -44,6 +44,17 @@ from linjax.train.data import build_dataset
 from linjax.train.objectives import objective_loss
 
 
+class TrainingDiverged(ValueError):
+    """A step gave a non-finite loss or gradient: training stops before logging or saving that step."""
+
+    def __init__(self, step: int, metrics: dict, last_checkpoint: int | None):
+        values = ", ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+        kept = (f"the last checkpoint (step {last_checkpoint}) is intact" if last_checkpoint is not None
+                else "no checkpoint was saved before it")
+        super().__init__(f"training diverged at step {step} ({values}); nothing of that step was saved and {kept}. "
+                         "Lower train.lr or raise train.warmup_steps, in a new run_dir")
+
+
 def make_optimizer(train_config, adapter):
     lr = train_config.learning_rate(adapter)
     schedule = optax.warmup_cosine_decay_schedule(
@@ -220,9 +231,8 @@ def run(config, resume: bool = False, progress: bool = True):
                 metrics = {k: float(v) for k, v in metrics.items()}
                 elapsed = time.perf_counter() - start
                 step += 1
-                if not all(map(jnp.isfinite, metrics.values())):
-                    raise FloatingPointError(f"non-finite metrics at step {step}: {metrics}; the last "
-                                             f"checkpoint (step {manager.latest_step()}) is intact")
+                if not all(map(jnp.isfinite, metrics.values())):  # checked before anything of this step is kept
+                    raise TrainingDiverged(step, metrics, manager.latest_step())
                 record = {"step": step, **metrics, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}
                 if jax.process_index() == 0:
                     log.write(json.dumps(record) + "\n")

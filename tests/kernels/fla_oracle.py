@@ -13,14 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import pytest
-
-
-def missing(reason: str):
-    """pytest.skip(reason) locally; pytest.fail in CI, where the oracle must be installed."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; CI must run the FLA oracle tests (install what .ci/run installs)", pytrace=False)
-    pytest.skip(reason)
+from tests.helpers import missing
 
 
 def fla_naive(sub: str):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from linjax.kernels import conv
-from tests.helpers import relative_rms
+from tests.helpers import relative_rms, require_module
 
 
 def _inputs(seed, B=2, T=37, C=24, K=8, dtype=jnp.float32):
@@ -37,7 +37,7 @@ def test_prefill_equals_dense(T, K):
 
 
 def test_matches_torch_conv1d_layout():
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     x, weight, bias = _inputs(1)
     torch_weight = torch.tensor(np.asarray(weight).T[:, None, :])  # [C, 1, K] as nn.Conv1d(groups=C)
     expected = torch.nn.functional.conv1d(torch.tensor(np.asarray(x)).transpose(1, 2), torch_weight,

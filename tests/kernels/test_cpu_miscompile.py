@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,8 @@ import numpy as np
 import pytest
 
 from linjax.kernels import gdn, gla, kgla, linear_attn
-from tests.helpers import environment_with_user_xla_flags, relative_rms
+from tests.helpers import environment_with_user_xla_flags, python_environment, relative_rms
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 B, T, H, D = 1, 96, 2, 64
 
@@ -79,7 +79,7 @@ def with_user_flags():
     """`check_every_kernel` in a subprocess compiled with the user's XLA flags."""
     done = subprocess.run([sys.executable, "-c", "import json; from tests.kernels.test_cpu_miscompile import "
                            "check_every_kernel; print(json.dumps(check_every_kernel()))"],
-                          env=environment_with_user_xla_flags(PYTHONPATH=ROOT), cwd=ROOT, capture_output=True,
+                          env=python_environment(environment_with_user_xla_flags()), cwd=tempfile.gettempdir(), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

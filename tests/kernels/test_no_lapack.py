@@ -11,9 +11,9 @@ programs of every chunked kernel and, for every mechanism, of a linearized model
 gradient and decode step, for any LAPACK custom call.
 """
 
-import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import jax
@@ -25,9 +25,8 @@ import linjax
 from linjax.config import tiny_config
 from linjax.kernels import gdn, gla, kgla, linear_attn, swa
 from linjax.model import CausalLM
-from tests.helpers import environment_with_user_xla_flags
+from tests.helpers import environment_with_user_xla_flags, python_environment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONCURRENT_GDN = textwrap.dedent("""
     import os
@@ -55,9 +54,9 @@ CONCURRENT_GDN = textwrap.dedent("""
 
 
 def test_concurrent_chunked_gdn_calls_do_not_deadlock():
-    env = environment_with_user_xla_flags(PYTHONPATH=ROOT)  # compiled as users compile it
+    env = python_environment(environment_with_user_xla_flags())  # compiled as users compile it
     try:
-        done = subprocess.run([sys.executable, "-c", CONCURRENT_GDN], env=env, cwd=ROOT, capture_output=True,
+        done = subprocess.run([sys.executable, "-c", CONCURRENT_GDN], env=env, cwd=tempfile.gettempdir(), capture_output=True,
                               text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail("six concurrent chunked GDN calls made no progress in 240 s: the XLA:CPU worker pool "
