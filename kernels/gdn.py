@@ -14,7 +14,7 @@ Functions (ARCHITECTURE.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.
-    pallas     the same as `chunked` as Pallas (GPU) kernels: forward gdn_pallas.py, backward gdn_pallas_backward.py.
+    pallas     `chunked`'s GPU form with its chunk-state pass as Pallas kernels (chunk_states_pallas.py).
 All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 """
 
@@ -25,10 +25,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import chunk_states, decay, gdn_pallas_backward, scaling
+from linjax.kernels import chunk_states, chunk_states_pallas, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import default_interpret
+from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
 
 __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "GPU_CHUNK", "PALLAS_CHUNK"]
 
@@ -38,9 +38,9 @@ __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "GPU_CHUNK", "PALL
 # scan (below), 64 still had the slowest forward (0.19–0.21 s against 0.15–0.16 s, under load) and
 # 16 measured within noise of 32.
 CHUNK = 32
-# Default chunk of `pallas`: that measurement does not carry over, since the kernel solves each chunk
-# in 16-token sub-chunks with the state held in registers, and a longer chunk means fewer serial
-# steps of its loop. 64 is the block FLA's delta-rule kernels use; untuned (no GPU was at hand).
+# Default chunk of `pallas`: that measurement does not carry over to a GPU, where the in-chunk work is
+# batched over all chunks and a longer chunk means fewer serial steps of the state pass. 64 is the
+# block FLA's delta-rule kernels use; untuned (no GPU was at hand).
 PALLAS_CHUNK = 64
 
 
@@ -201,15 +201,17 @@ def _chunks_then_states(q32, k32, v32, la, beta32, S0, *, chunk, state_pass, min
 
 
 def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` as Pallas (Triton) kernels; same arguments and results (per-channel or
-    scalar gate).
-
-    Forward: one kernel (gdn_pallas.py). Backward: a `jax.custom_vjp` whose backward is
-    two more kernels (gdn_pallas_backward.py: a state recompute, then a reverse chunk loop)
-    giving the gradients of q, k, v, log_alpha, beta and the initial state; only the sums
-    over Dv blocks and GQA groups (and over Dk for a scalar gate) are plain JAX.
+    """`chunked` in FLA's decomposition with the chunk-state pass as Pallas (Triton) kernels; same
+    arguments and results (per-channel or scalar gate). The in-chunk work (K1) and the outputs (K3)
+    are `_chunks_then_states`' batched XLA operations; the state pass (K2) and its reverse are
+    chunk_states_pallas.py, with dot operands in v's dtype. `chunk`: a power of two ≥ 16.
     interpret=None runs the Pallas interpreter when the default backend is CPU."""
-    interpret = default_interpret(interpret)
-    o, state = gdn_pallas_backward.differentiable_forward(q, k, v, log_alpha, beta, initial_state, scale=scale,
-                                                          chunk=chunk, interpret=interpret)
-    return o.astype(v.dtype), state
+    check_pallas_chunk(chunk)
+    if q.shape[1] == 0:
+        raise ValueError("sequence length T must be at least 1")
+    q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
+    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype,
+                                   interpret=default_interpret(interpret))
+    o, S_final = _chunks_then_states(q32, k32, v32, la, beta32, S0, chunk=chunk, state_pass=state_pass,
+                                     min_chunk=PALLAS_MIN_CHUNK)
+    return (o * scale).astype(v.dtype), S_final

@@ -31,17 +31,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linjax.kernels import chunk_states, decay, gla_pallas_backward, scaling
+from linjax.kernels import chunk_states, chunk_states_pallas, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import default_interpret
+from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
 
 # Default chunk of `chunked` (a power of two). On a 2-core CPU (B=1, H=8, D=128, T=4096) the forward
 # took 0.14 s with 32 and 0.16 s with 64, forward+backward 0.43 s with either.
 CHUNK = 32
-# Default chunk of `pallas`: the kernel builds the [16, 16, Dk] pair decay inside 16-token sub-chunks,
-# so a longer chunk adds only [C, C] matmuls and shortens its serial loop; 64 (four sub-chunks) is
-# the block FLA's GLA kernels use.
+# Default chunk of `pallas`: a longer chunk shortens the serial state pass and adds only batched
+# [C, C] work; 64 is the block FLA's GLA kernels use. Untuned (no GPU was at hand).
 PALLAS_CHUNK = 64
 
 
@@ -193,14 +192,21 @@ def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=None):
 
 
 def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` as Pallas (Triton) kernels; same arguments and results.
-
-    Forward: one kernel (gla_pallas.py). Backward: a `jax.custom_vjp` whose backward is
-    two more kernels (gla_pallas_backward.py: a state recompute, then a reverse chunk loop)
-    giving the gradients of q, k, v, log_alpha and the initial state; only the sums over
-    Dv blocks and GQA groups are plain JAX. interpret=None runs the Pallas interpreter when
-    the default backend is CPU."""
-    interpret = default_interpret(interpret)
-    o, state = gla_pallas_backward.differentiable_forward(q, k, v, log_alpha, initial_state, scale=scale,
-                                                          chunk=chunk, interpret=interpret)
+    """`chunked` in FLA's decomposition with the chunk-state pass as Pallas (Triton) kernels; same
+    arguments and results. The in-chunk work and the outputs are `_chunks_then_states`' batched XLA
+    operations; the state pass and its reverse are chunk_states_pallas.py, with dot operands in v's
+    dtype. `chunk`: a power of two ≥ 16. interpret=None runs the Pallas interpreter when the default
+    backend is CPU."""
+    check_pallas_chunk(chunk)
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
+    check_shape(log_alpha, (B, T, H, Dk), "log_alpha")
+    if T == 0:
+        raise ValueError("sequence length T must be at least 1")
+    f32 = lambda x: x.astype(jnp.float32)
+    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype,
+                                   interpret=default_interpret(interpret))
+    o, state = _chunks_then_states(f32(q) * default_scale(scale, Dk), f32(expand_kv_heads(k, H)),
+                                   f32(expand_kv_heads(v, H)), f32(log_alpha),
+                                   initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk=chunk,
+                                   state_pass=state_pass, min_chunk=PALLAS_MIN_CHUNK)
     return o.astype(v.dtype), state
