@@ -119,7 +119,7 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 # The decays inside a chunk (Γ, e^{G_C − G}, and the decayed scores A^{qk} and A with T⁻¹) come
 # from decay.py, exact at any gate.
 #
-# All of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
+# On a CPU, all of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
 # blocks stay in cache between the dozens of small operations on them; the step is recomputed in
 # the backward (jax.checkpoint) rather than its intermediates stored. Measured on a 2-core CPU
 # against forming everything for all chunks at once and scanning only the state (same-process

@@ -101,7 +101,7 @@ def step(q, k, v, log_alpha, *, state=None, scale=None):
 # The three decays (from the chunk start, to its end, and the per-channel pair decay inside the
 # causal scores) come from decay.py, which forms every decay as a product of the per-token factors
 # e^{g} it spans and never builds the [C, C, Dk] pair decay: exact next to a −1000 reset, no overflow.
-# As in gdn.py, all of a chunk's work runs in one step of the scan over chunks (its blocks stay in
+# On a CPU, as in gdn.py, all of a chunk's work runs in one step of the scan over chunks (its blocks stay in
 # cache), recomputed in the backward rather than stored.
 
 
