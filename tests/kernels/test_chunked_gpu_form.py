@@ -50,6 +50,14 @@ def test_gdn_gpu_form_hard_resets_and_short_input(gpu_form):
     assert_same_run(got, want, tol=1e-5, grad_tol=1e-4)
 
 
+def test_gdn_gpu_form_bf16_inputs(gpu_form):
+    x = make_inputs(16, 200, 2, 64, dtype=jnp.bfloat16)
+    (o, s, _), = run_both(x, kernels=(lambda **a: gdn.chunked(**a),), grads=False)
+    o_ref, s_ref = jax.jit(lambda x: gdn.reference(**{n: a.astype(jnp.float32) for n, a in x.items()}))(x)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert relative_rms(o, o_ref) <= 5e-3 and relative_rms(s, s_ref) <= 5e-3
+
+
 def compare_gpu_form(mechanism, args, state, *, seed=0, out_tol=1e-5, grad_tol=1e-4):
     """chunked (GPU form) against reference: every output and the gradients of all inputs."""
     module = MECHANISMS[mechanism]
