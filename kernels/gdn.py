@@ -14,22 +14,23 @@ Functions (ARCHITECTURE.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.
-    pallas     the same as `chunked` as Pallas (GPU) kernels: forward gdn_pallas.py, backward gdn_pallas_backward.py.
+    pallas     `chunked`'s GPU form with its chunk-state pass as Pallas kernels (chunk_states_pallas.py).
 All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 """
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import decay, gdn_pallas_backward, scaling
+from linjax.kernels import chunk_states, chunk_states_pallas, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import default_interpret
+from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
 
-__all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "PALLAS_CHUNK"]
+__all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "GPU_CHUNK", "PALLAS_CHUNK"]
 
 # Default chunk of `chunked`: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took 0.66 s
 # with 32, 0.72 s with 64 and 0.69 s with 16 (forward 0.21, 0.25, 0.19 s): the 64-wide block inverse
@@ -37,9 +38,9 @@ __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "PALLAS_CHUNK"]
 # scan (below), 64 still had the slowest forward (0.19–0.21 s against 0.15–0.16 s, under load) and
 # 16 measured within noise of 32.
 CHUNK = 32
-# Default chunk of `pallas`: that measurement does not carry over, since the kernel solves each chunk
-# in 16-token sub-chunks with the state held in registers, and a longer chunk means fewer serial
-# steps of its loop. 64 is the block FLA's delta-rule kernels use; untuned (no GPU was at hand).
+# Default chunk of `pallas`: that measurement does not carry over to a GPU, where the in-chunk work is
+# batched over all chunks and a longer chunk means fewer serial steps of the state pass. 64 is the
+# block FLA's delta-rule kernels use; untuned (no GPU was at hand).
 PALLAS_CHUNK = 64
 
 
@@ -118,7 +119,7 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 # The decays inside a chunk (Γ, e^{G_C − G}, and the decayed scores A^{qk} and A with T⁻¹) come
 # from decay.py, exact at any gate.
 #
-# All of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
+# On a CPU, all of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
 # blocks stay in cache between the dozens of small operations on them; the step is recomputed in
 # the backward (jax.checkpoint) rather than its intermediates stored. Measured on a 2-core CPU
 # against forming everything for all chunks at once and scanning only the state (same-process
@@ -128,12 +129,28 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 # about 4.3 → 3.3 s.
 
 
-def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK):
+def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=None):
     """Chunk-parallel gated delta rule; same arguments and results as `reference`.
-    `chunk` (a power of two) is the block length; any T works (padded inside with β = 0,
-    log α = 0, which leaves the state unchanged). Memory is linear in T."""
+    `chunk` (a power of two) is the block length, by default CHUNK on a CPU and GPU_CHUNK
+    elsewhere; any T works (padded inside with β = 0, log α = 0, which leave the state unchanged).
+    Memory is linear in T.
+
+    The form follows the platform the program is lowered for (`lax.platform_dependent`): on a CPU
+    each chunk's work runs inside the scan over chunks (`_chunk_scan`); elsewhere the in-chunk work
+    is batched over all chunks and the scan carries only the state (`_chunks_then_states`)."""
     q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
-    T = q.shape[1]
+    args = (q32, k32, v32, la, beta32, S0)
+    o, S_final = jax.lax.platform_dependent(
+        *args, cpu=functools.partial(_chunk_scan, chunk=CHUNK if chunk is None else chunk),
+        default=functools.partial(_chunks_then_states, chunk=GPU_CHUNK if chunk is None else chunk,
+                                  state_pass=chunk_states.scan))
+    return (o * scale).astype(v.dtype), S_final
+
+
+def _chunk_scan(q32, k32, v32, la, beta32, S0, *, chunk):
+    """The CPU form: one scan over chunks, each chunk's whole work in its step. Returns the
+    unscaled outputs [B,T,H,Dv] and the final state."""
+    T = q32.shape[1]
     C = decay.chunk_length(chunk, T)
 
     def chunk_step(S, x):                                  # S: the state entering the chunk
@@ -150,22 +167,51 @@ def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=C
 
     xs = tuple(decay.to_chunks(x, C) for x in (q32, k32, v32, la, beta32))
     S_final, o = jax.lax.scan(jax.checkpoint(chunk_step), S0, xs)
-    return (decay.from_chunks(o, T) * scale).astype(v.dtype), S_final
+    return decay.from_chunks(o, T), S_final
+
+
+# On a GPU the scan above is bound by kernel launches (hundreds of small operations per chunk step,
+# T/C steps). FLA's decomposition instead does every chunk's state-free work at once, as batched
+# operations over [N, B, H, C, ...]:
+#   (K1) the decays, A^{qk}, T⁻¹, W = T⁻¹Diag(β)(K⊙Γ), Ũ = T⁻¹Diag(β)V, Q⊙Γ and K⊙e^{G_C − G};
+#   (K2) one pass over the chunks carrying only the state, two matmuls a chunk (chunk_states.py);
+#   (K3) every chunk's outputs o = (Q⊙Γ) S_n + A^{qk} U_n from the states K2 returns.
+# `pallas` runs the same K1 and K3 with K2 as a Pallas kernel (chunk_states_pallas.py).
+GPU_CHUNK = 64
+
+
+def _chunks_then_states(q32, k32, v32, la, beta32, S0, *, chunk, state_pass, min_chunk=1):
+    """K1, K2 (`state_pass`, chunk_states.scan's signature), K3 on fp32 inputs as `_prepare` gives
+    them. Returns the unscaled outputs [B,T,H,Dv] and the final state. `min_chunk` raises the chunk
+    of a short input (a Pallas dot needs 16 rows)."""
+    T = q32.shape[1]
+    C = max(decay.chunk_length(chunk, T), min(min_chunk, chunk))
+    heads_first = lambda x: jnp.swapaxes(decay.to_chunks(x, C), 2, 3)          # [N,B,H,C,...]
+    q, k, v, la, beta = map(heads_first, (q32, k32, v32, la, beta32))
+    tree, from_start, to_end = decay.chunk_factors(la)
+    a_qk, t_inv = decay.causal_scores(q, k, tree, beta)
+    t_inv = scaling.scale_cols(t_inv, beta)
+    w, u_tilde = t_inv @ (k * from_start), t_inv @ v
+    states, u, S_final = state_pass(k * to_end, u_tilde, w, from_start[..., -1, :], S0)
+    o = (q * from_start) @ states + a_qk @ u
+    return decay.from_chunks(jnp.swapaxes(o, 2, 3), T), S_final
 
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
 
 def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` as Pallas (Triton) kernels; same arguments and results (per-channel or
-    scalar gate).
-
-    Forward: one kernel (gdn_pallas.py). Backward: a `jax.custom_vjp` whose backward is
-    two more kernels (gdn_pallas_backward.py: a state recompute, then a reverse chunk loop)
-    giving the gradients of q, k, v, log_alpha, beta and the initial state; only the sums
-    over Dv blocks and GQA groups (and over Dk for a scalar gate) are plain JAX.
+    """`chunked` in FLA's decomposition with the chunk-state pass as Pallas (Triton) kernels; same
+    arguments and results (per-channel or scalar gate). The in-chunk work (K1) and the outputs (K3)
+    are `_chunks_then_states`' batched XLA operations; the state pass (K2) and its reverse are
+    chunk_states_pallas.py, with dot operands in v's dtype. `chunk`: a power of two ≥ 16.
     interpret=None runs the Pallas interpreter when the default backend is CPU."""
-    interpret = default_interpret(interpret)
-    o, state = gdn_pallas_backward.differentiable_forward(q, k, v, log_alpha, beta, initial_state, scale=scale,
-                                                          chunk=chunk, interpret=interpret)
-    return o.astype(v.dtype), state
+    check_pallas_chunk(chunk)
+    if q.shape[1] == 0:
+        raise ValueError("sequence length T must be at least 1")
+    q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
+    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype,
+                                   interpret=default_interpret(interpret))
+    o, S_final = _chunks_then_states(q32, k32, v32, la, beta32, S0, chunk=chunk, state_pass=state_pass,
+                                     min_chunk=PALLAS_MIN_CHUNK)
+    return (o * scale).astype(v.dtype), S_final

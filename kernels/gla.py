@@ -4,7 +4,7 @@ The paper's GLA update (sec. 3.1.2, "State-Based Linear Attention"); α_t is a
 per-channel decay given in log space, log α ≤ 0 (0 = keep, −∞ = reset).
 
     reference(q, k, v, log_alpha, *, scale=None, initial_state=None) -> (o, final_state)
-    chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK) -> (o, final_state)
+    chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=None) -> (o, final_state)
     step(q, k, v, log_alpha, *, state=None, scale=None) -> (o, new_state)
     pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None) -> (o, final_state)
 
@@ -25,21 +25,22 @@ is the one to differentiate, and the parallel form for accelerators.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linjax.kernels import decay, gla_pallas_backward, scaling
+from linjax.kernels import chunk_states, chunk_states_pallas, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import default_interpret
+from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
 
 # Default chunk of `chunked` (a power of two). On a 2-core CPU (B=1, H=8, D=128, T=4096) the forward
 # took 0.14 s with 32 and 0.16 s with 64, forward+backward 0.43 s with either.
 CHUNK = 32
-# Default chunk of `pallas`: the kernel builds the [16, 16, Dk] pair decay inside 16-token sub-chunks,
-# so a longer chunk adds only [C, C] matmuls and shortens its serial loop; 64 (four sub-chunks) is
-# the block FLA's GLA kernels use.
+# Default chunk of `pallas`: a longer chunk shortens the serial state pass and adds only batched
+# [C, C] work; 64 is the block FLA's GLA kernels use. Untuned (no GPU was at hand).
 PALLAS_CHUNK = 64
 
 
@@ -100,23 +101,39 @@ def step(q, k, v, log_alpha, *, state=None, scale=None):
 # The three decays (from the chunk start, to its end, and the per-channel pair decay inside the
 # causal scores) come from decay.py, which forms every decay as a product of the per-token factors
 # e^{g} it spans and never builds the [C, C, Dk] pair decay: exact next to a −1000 reset, no overflow.
-# As in gdn.py, all of a chunk's work runs in one step of the scan over chunks (its blocks stay in
+# On a CPU, as in gdn.py, all of a chunk's work runs in one step of the scan over chunks (its blocks stay in
 # cache), recomputed in the backward rather than stored.
 
 
-def chunked_scan(q, k, v, log_gate, state, chunk):
+def chunked_scan(q, k, v, log_gate, state, chunk=None):
     """Chunk-parallel GLA on already expanded heads: q (pre-scaled), k, log_gate [B,T,H,Dk], v [B,T,H,Dv],
     state [B,H,Dk,Dv], all fp32; log_gate=None means no decay. Returns (o [B,T,H,Dv], final state).
 
-    `chunk` is a power of two; T is padded to whole chunks with zero keys and zero log-gates, which
-    leave the state unchanged. A lax.scan carries the state over chunks and forms each chunk's
-    outputs there, so it hands back o [C, Dv] per chunk, not the [Dk, Dv] state each chunk starts from.
+    `chunk` is a power of two (None: CHUNK on a CPU, GPU_CHUNK elsewhere); T is padded to whole
+    chunks with zero keys and zero log-gates, which leave the state unchanged. As in gdn.chunked,
+    the form follows the platform the program is lowered for: `_chunk_scan` on a CPU,
+    `_chunks_then_states` elsewhere.
     """
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    C = decay.chunk_length(chunk, T)
     if T == 0:
         return jnp.zeros((B, 0, H, Dv), jnp.float32), state
+    cpu_chunk, gpu_chunk = (CHUNK, GPU_CHUNK) if chunk is None else (chunk, chunk)
+    if log_gate is None:  # platform_dependent takes arrays only
+        return lax.platform_dependent(
+            q, k, v, state, cpu=lambda q, k, v, S: _chunk_scan(q, k, v, None, S, cpu_chunk),
+            default=lambda q, k, v, S: _chunks_then_states(q, k, v, None, S, chunk=gpu_chunk,
+                                                           state_pass=chunk_states.scan))
+    return lax.platform_dependent(
+        q, k, v, log_gate, state, cpu=functools.partial(_chunk_scan, chunk=cpu_chunk),
+        default=functools.partial(_chunks_then_states, chunk=gpu_chunk, state_pass=chunk_states.scan))
+
+
+def _chunk_scan(q, k, v, log_gate, state, chunk):
+    """The CPU form: a lax.scan carries the state over chunks and forms each chunk's outputs there,
+    so it hands back o [C, Dv] per chunk, not the [Dk, Dv] state each chunk starts from."""
+    T = q.shape[1]
+    C = decay.chunk_length(chunk, T)
 
     def chunk_step(S, x):                                    # S: the state entering the chunk
         q, k, v, log_gate = (None if a is None else decay.swap_tokens_and_heads(a) for a in x)  # [B,H,C,...]
@@ -136,7 +153,31 @@ def chunked_scan(q, k, v, log_gate, state, chunk):
     return decay.from_chunks(o, T), state
 
 
-def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK):
+# FLA's decomposition, as in gdn.py: (K1) the decays, causal scores, Q⊙Γ and K⊙e^{G_C − G} of all
+# chunks at once; (K2) one pass over the chunks carrying only the state (chunk_states.py); (K3) every
+# chunk's outputs (Q⊙Γ) S_n + A V_n in parallel. `pallas` runs K2 as a Pallas kernel.
+GPU_CHUNK = 64
+
+
+def _chunks_then_states(q, k, v, log_gate, state, *, chunk, state_pass, min_chunk=1):
+    """K1, K2 (`state_pass`, chunk_states.scan's signature), K3; arguments and results as
+    `_chunk_scan`. `min_chunk` raises the chunk of a short input (a Pallas dot needs 16 rows)."""
+    T = q.shape[1]
+    C = max(decay.chunk_length(chunk, T), min(min_chunk, chunk))
+    heads_first = lambda x: None if x is None else jnp.swapaxes(decay.to_chunks(x, C), 2, 3)  # [N,B,H,C,...]
+    q, k, v, log_gate = map(heads_first, (q, k, v, log_gate))
+    if log_gate is None:
+        scores, q_in, k_out, chunk_decay = jnp.tril(q @ jnp.swapaxes(k, -1, -2)), q, k, None
+    else:
+        levels, from_start, to_end = decay.chunk_factors(log_gate)
+        scores = decay.causal_scores(q, k, levels)
+        q_in, k_out, chunk_decay = q * from_start, k * to_end, from_start[..., -1, :]
+    states, _, final = state_pass(k_out, v, None, chunk_decay, state)
+    o = q_in @ states + scores @ v
+    return decay.from_chunks(jnp.swapaxes(o, 2, 3), T), final
+
+
+def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=None):
     """Chunk-parallel GLA (the training path): same result as `reference`, linear memory in T, any T."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     check_shape(log_alpha, (B, T, H, Dk), "log_alpha ([B, T, H, Dk])")
@@ -151,14 +192,21 @@ def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=CHUNK):
 
 
 def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` as Pallas (Triton) kernels; same arguments and results.
-
-    Forward: one kernel (gla_pallas.py). Backward: a `jax.custom_vjp` whose backward is
-    two more kernels (gla_pallas_backward.py: a state recompute, then a reverse chunk loop)
-    giving the gradients of q, k, v, log_alpha and the initial state; only the sums over
-    Dv blocks and GQA groups are plain JAX. interpret=None runs the Pallas interpreter when
-    the default backend is CPU."""
-    interpret = default_interpret(interpret)
-    o, state = gla_pallas_backward.differentiable_forward(q, k, v, log_alpha, initial_state, scale=scale,
-                                                          chunk=chunk, interpret=interpret)
+    """`chunked` in FLA's decomposition with the chunk-state pass as Pallas (Triton) kernels; same
+    arguments and results. The in-chunk work and the outputs are `_chunks_then_states`' batched XLA
+    operations; the state pass and its reverse are chunk_states_pallas.py, with dot operands in v's
+    dtype. `chunk`: a power of two ≥ 16. interpret=None runs the Pallas interpreter when the default
+    backend is CPU."""
+    check_pallas_chunk(chunk)
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
+    check_shape(log_alpha, (B, T, H, Dk), "log_alpha")
+    if T == 0:
+        raise ValueError("sequence length T must be at least 1")
+    f32 = lambda x: x.astype(jnp.float32)
+    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype,
+                                   interpret=default_interpret(interpret))
+    o, state = _chunks_then_states(f32(q) * default_scale(scale, Dk), f32(expand_kv_heads(k, H)),
+                                   f32(expand_kv_heads(v, H)), f32(log_alpha),
+                                   initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk=chunk,
+                                   state_pass=state_pass, min_chunk=PALLAS_MIN_CHUNK)
     return o.astype(v.dtype), state

@@ -13,7 +13,7 @@ and β = sigmoid(·) ∈ (0, 1) it is always positive, but unnormalised keys or 
 The gradient through a floored entry is zero.
 
     reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, floor=1e-6) -> (o, final_state)
-    chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK, floor=1e-6) -> (o, final_state)
+    chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=None, floor=1e-6) -> (o, final_state)
     step(q, k, v, log_alpha, beta, *, state=None, scale=None, floor=1e-6) -> (o, new_state)
 
 Shapes as in gla.py, plus beta [B,T,H] (step: [B,H]), per query head; the
@@ -61,7 +61,7 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, floor
     return o.astype(v.dtype), state
 
 
-def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=CHUNK, floor=KEY_GATE_FLOOR):
+def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=None, floor=KEY_GATE_FLOOR):
     """Chunk-parallel kGLA: the GLA chunk kernel on the combined log-gate."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     _check_gates(log_alpha, beta, B, T, H, Dk)

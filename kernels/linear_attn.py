@@ -9,7 +9,7 @@ both sums, the normaliser's z beside S:
     state [B, H, Dk, Dv + 1] fp32:  state[..., :Dv] = S,  state[..., Dv] = z.
 
     reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e-10) -> (out, state)
-    chunked(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10) -> (out, state)
+    chunked(q, k, v, *, scale=None, initial_state=None, chunk=None, normalize=True, eps=1e-10) -> (out, state)
     step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10) -> (out, new_state)
     pallas(q, k, v, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK, normalize=True, eps=1e-10,
            interpret=None) -> (out, state)
@@ -71,7 +71,7 @@ def reference(q, k, v, *, scale=None, initial_state=None, normalize=True, eps=1e
     return _finish(out, v.dtype, normalize, eps), state
 
 
-def chunked(q, k, v, *, scale=None, initial_state=None, chunk=CHUNK, normalize=True, eps=1e-10):
+def chunked(q, k, v, *, scale=None, initial_state=None, chunk=None, normalize=True, eps=1e-10):
     """Chunk-parallel form: the GLA chunk kernel without gates (causal q kᵀ per chunk)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)

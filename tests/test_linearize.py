@@ -335,8 +335,7 @@ def test_pallas_kernels_inside_the_model_match_chunked(tiny_models, mechanism, e
     assert relative_rms(np.asarray(jitted(pallas)[0](tokens)), np.asarray(jitted(chunked)[0](tokens))) <= 1e-5
     # Both parts of the block run as Pallas kernels: the linear one and the sinks + window softmax.
     program = str(jax.make_jaxpr(lambda t: pallas(t))(tokens))
-    assert "linjax_swa_sinks_fwd" in program and ("linjax_gla_chunked_fwd" in program
-                                                  or "linjax_gdn_chunked_fwd" in program)
+    assert "linjax_swa_sinks_fwd" in program and "linjax_chunk_states_fwd" in program
 
 
 # ----------------------------------------------------------------------------- window-only baseline

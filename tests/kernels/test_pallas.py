@@ -1,9 +1,9 @@
 """The Pallas kernels (`<mech>.pallas`, run in the Pallas interpreter on CPU)
 against each mechanism's `reference` recurrence: outputs, final states and
-gradients. GLA's and GDN's backwards are themselves Pallas kernels
-(gla_pallas_backward.py, gdn_pallas_backward.py), checked input by input
+gradients. GLA's and GDN's chunk-state pass and its reverse are Pallas kernels
+(chunk_states_pallas.py) inside batched XLA work, checked input by input
 against `jax.grad` through their `chunked` twins at fp32 precision; kGLA and
-linear attention differentiate through GLA's kernels, SWA's backward
+linear attention differentiate through GLA's, SWA's backward
 recomputes through `chunked`. The gradient tests against `reference` check
 the custom_vjp plumbing: cotangent routing, GQA head sums, dtypes, a missing
 initial state.
@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from linjax.kernels import (gdn, gdn_pallas_backward, gla, gla_pallas_backward, kgla, linear_attn, pallas_common,
-                            swa)
+from linjax.kernels import chunk_states, chunk_states_pallas, gdn, gla, kgla, linear_attn, pallas_common, swa
 from tests.helpers import relative_rms
 
 B, H = 2, 4
@@ -235,6 +234,27 @@ def test_kgla_backward_through_the_gla_kernel_matches_chunked():
     check_grads_per_input(fn(kgla.pallas), fn(kgla.chunked), (q, k, v, log_alpha, beta, h0), 26)
 
 
+@pytest.mark.parametrize("delta, decay", [(True, "chan"), (False, "scalar"), (False, None)])
+def test_state_pass_kernel_matches_the_scan(delta, decay):
+    """chunk_states_pallas.state_pass against chunk_states.scan: states, new values, final state
+    and the VJP of all three, fp32; three chunks, Dk 24 (padded to 32), Dv 80 (two value blocks)."""
+    N, Bs, Hs, C, Dk, Dv = 3, 1, 2, 16, 24, 80
+    ks = jax.random.split(jax.random.PRNGKey(40), 6)
+    k_out = jax.random.normal(ks[0], (N, Bs, Hs, C, Dk)) / 4
+    values = jax.random.normal(ks[1], (N, Bs, Hs, C, Dv))
+    w = jax.random.normal(ks[2], (N, Bs, Hs, C, Dk)) / 8 if delta else None
+    decays = {"chan": jax.random.uniform(ks[3], (N, Bs, Hs, Dk)), "scalar": jax.random.uniform(ks[3], (N, Bs, Hs, 1)),
+              None: None}[decay]
+    state = jax.random.normal(ks[4], (Bs, Hs, Dk, Dv))
+    kernel = lambda *a: chunk_states_pallas.state_pass(*a, dtype=jnp.float32, interpret=True)
+    args = (k_out, values, w, decays, state)
+    got, want = kernel(*args), chunk_states.scan(*args)
+    assert_close(got, want, 1e-5, "state pass")
+    cotangent = jax.tree.map(lambda x: jax.random.normal(ks[5], x.shape), want)
+    grads = lambda fn: jax.vjp(fn, *args)[1](cotangent)
+    assert_close(grads(kernel), jax.jit(lambda: grads(chunk_states.scan))(), 1e-5, "state pass gradient")
+
+
 def pallas_call_names(fn, *args):
     names = []
 
@@ -251,10 +271,9 @@ def pallas_call_names(fn, *args):
 
 @pytest.mark.parametrize("mech", ["gla", "gdn"])
 def test_gradient_runs_the_backward_kernels(mech):
-    """The gradient program contains the Pallas backward (not a chunked recompute)."""
+    """The gradient program contains the Pallas reverse state pass (not autodiff of a scan)."""
     q, k, v, log_alpha, beta, h0 = make_inputs(27, 70, 2, 16, True, "float32", unit_keys=True)
-    module, kernels, gates = ((gla, gla_pallas_backward, (log_alpha,)) if mech == "gla"
-                              else (gdn, gdn_pallas_backward, (log_alpha, beta)))
+    module, gates = (gla, (log_alpha,)) if mech == "gla" else (gdn, (log_alpha, beta))
     n = 3 + len(gates)
 
     def loss(*a):
@@ -262,8 +281,7 @@ def test_gradient_runs_the_backward_kernels(mech):
         return jnp.sum(o) + jnp.sum(state)
 
     names = pallas_call_names(jax.grad(loss, argnums=tuple(range(n + 1))), q, k, v, *gates, h0)
-    assert any(kernels.BACKWARD_NAME in n for n in names), names
-    assert any(kernels.STATES_NAME in n for n in names), names
+    assert any("linjax_chunk_states_bwd" in n for n in names), names
 
 
 @pytest.mark.parametrize("case", BACKWARD[::-1], ids=lambda c: "T{}-Hkv{}-D{}-{}".format(*c))
@@ -316,8 +334,10 @@ def test_bad_inputs_raise_readable_errors():
         gla.pallas(q, k, v, log_alpha[:, :, :2])
     with pytest.raises(ValueError, match="beta must be"):
         gdn.pallas(q, k, v, log_alpha, beta[..., :1])
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="power of two ≥ 16"):
         gla.pallas(q, k, v, log_alpha, chunk=24)
+    with pytest.raises(ValueError, match="power of two ≥ 16"):
+        gdn.pallas(q, k, v, log_alpha, beta, chunk=8)
     with pytest.raises(NotImplementedError, match="prefill"):
         swa.pallas(q, k, v, sinks=2, window=4,
                    cache=swa.empty_cache(B, 2, 16, 16, sinks=2, window=4))

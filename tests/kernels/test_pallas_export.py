@@ -5,8 +5,9 @@ that uses an op Triton cannot express (a 3-D dot, a non-power-of-two tile, a
 dynamic slice of a value) fails here instead of on a GPU. The Triton custom
 call has no stable export guarantee, hence its disabled safety check.
 Shapes: T not a multiple of the chunk, GQA (H = 4, Hkv = 2) and Dv = 128 (two
-Dv blocks per head); bf16 and fp32. The GLA and GDN backward kernels are
-exported through `jax.grad` of `pallas`.
+Dv blocks per head); bf16 and fp32. GLA, kGLA, linear attention and GDN run the
+chunk-state pass (chunk_states_pallas.py) as their Pallas kernel, forward and,
+through `jax.grad` of `pallas`, its reverse.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def exported_text(fn, *args):
     return exported.mlir_module()
 
 
-def shapes(dtype, D, *, beta=False, scalar_gate=False):
+def shapes(dtype, D, *, beta=False, scalar_gate=False, T=T):
     s = jax.ShapeDtypeStruct
     args = [s((B, T, H, D), dtype), s((B, T, HKV, D), dtype), s((B, T, HKV, D), dtype),
             s((B, T, H) if scalar_gate else (B, T, H, D), jnp.float32)]
@@ -39,12 +40,13 @@ def shapes(dtype, D, *, beta=False, scalar_gate=False):
     return args
 
 
+STATES_FWD, STATES_BWD = "linjax_chunk_states_fwd", "linjax_chunk_states_bwd"
 CASES = {
-    "gla": (lambda *a: gla.pallas(*a, interpret=False), {}, "linjax_gla_chunked_fwd"),
-    "kgla": (lambda *a: kgla.pallas(*a, interpret=False), {"beta": True}, "linjax_gla_chunked_fwd"),
-    "gdn": (lambda *a: gdn.pallas(*a, interpret=False), {"beta": True}, "linjax_gdn_chunked_fwd"),
+    "gla": (lambda *a: gla.pallas(*a, interpret=False), {}, STATES_FWD),
+    "kgla": (lambda *a: kgla.pallas(*a, interpret=False), {"beta": True}, STATES_FWD),
+    "gdn": (lambda *a: gdn.pallas(*a, interpret=False), {"beta": True}, STATES_FWD),
     "gdn_scalar_gate": (lambda *a: gdn.pallas(*a, interpret=False),
-                        {"beta": True, "scalar_gate": True}, "linjax_gdn_chunked_fwd"),
+                        {"beta": True, "scalar_gate": True}, STATES_FWD),
 }
 
 
@@ -59,7 +61,7 @@ def test_linear_kernels_lower_to_triton(mech, dtype):
 def test_linear_attn_lowers_to_triton():
     q, k, v = shapes(jnp.bfloat16, 64)[:3]
     text = exported_text(lambda *a: linear_attn.pallas(*a, interpret=False), q, k, v)
-    assert text.count(TRITON_CALL) == 1 and "linjax_gla_chunked_fwd" in text
+    assert text.count(TRITON_CALL) == 1 and STATES_FWD in text
 
 
 @pytest.mark.parametrize("sinks, window", [(8, 56), (0, 64), (70, 5)])
@@ -73,18 +75,15 @@ def test_swa_lowers_to_triton(sinks, window):
 @pytest.mark.parametrize("scalar_gate", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gdn_backward_lowers_to_triton(dtype, scalar_gate):
-    """jax.grad of gdn.pallas exports for CUDA with its two backward kernels as Triton calls;
-    value_and_grad adds the forward kernel."""
+    """jax.grad of gdn.pallas exports for CUDA with the state pass and its reverse as Triton calls
+    (the forward pass is needed by the gradient: its states feed the outputs)."""
     def loss(*args):
         o, state = gdn.pallas(*args, interpret=False)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
 
     args = shapes(jnp.dtype(dtype), 128, beta=True, scalar_gate=scalar_gate)
     text = exported_text(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert text.count(TRITON_CALL) == 2
-    assert "linjax_gdn_chunked_states" in text and "linjax_gdn_chunked_bwd" in text
-    text = exported_text(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert text.count(TRITON_CALL) == 3 and "linjax_gdn_chunked_fwd" in text
+    assert text.count(TRITON_CALL) == 2 and STATES_FWD in text and STATES_BWD in text
 
 
 def gla_loss(*args):
@@ -98,15 +97,9 @@ def gla_grad_shapes(dtype, D):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gla_backward_lowers_to_triton(dtype):
-    """jax.grad of gla.pallas (q, k, v, log α, initial state) exports for CUDA with the two
-    backward kernels, the state recompute and the reverse chunk loop, as Triton calls (the
-    forward kernel is dead code under plain grad; value_and_grad keeps it)."""
     args = gla_grad_shapes(jnp.dtype(dtype), 128)
     text = exported_text(jax.grad(gla_loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert text.count(TRITON_CALL) == 2
-    assert "linjax_gla_chunked_states" in text and "linjax_gla_chunked_bwd" in text
-    text = exported_text(jax.value_and_grad(gla_loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert text.count(TRITON_CALL) == 3 and "linjax_gla_chunked_fwd" in text
+    assert text.count(TRITON_CALL) == 2 and STATES_FWD in text and STATES_BWD in text
 
 
 def test_kgla_backward_lowers_to_triton():
@@ -115,7 +108,7 @@ def test_kgla_backward_lowers_to_triton():
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
 
     text = exported_text(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *shapes(jnp.bfloat16, 64, beta=True))
-    assert text.count(TRITON_CALL) == 2 and "linjax_gla_chunked_bwd" in text
+    assert text.count(TRITON_CALL) == 2 and STATES_BWD in text
 
 
 def kernel_dots(fn, *args):
@@ -133,20 +126,65 @@ def kernel_dots(fn, *args):
     return dots
 
 
-@pytest.mark.parametrize("mech", [*CASES, "swa", "gla_backward", "gdn_backward"])
-def test_kernel_dots_run_at_full_fp32_precision(mech):
-    """Triton lowers an fp32 dot at the default precision to TF32; every dot inside a kernel
-    asks for HIGHEST (IEEE fp32), which the fp32 tolerances and the gate sums need on a GPU."""
+def linear_kernel_program(mech, dtype, T=T):
+    """(fn, args) whose jaxpr holds the kernel(s) of `mech`: a forward case, or a gradient."""
     if mech == "gla_backward":
-        fn, args = jax.grad(gla_loss, argnums=(0, 1, 2, 3, 4)), gla_grad_shapes(jnp.float32, 64)
-    elif mech == "gdn_backward":
-        loss = lambda *a: jnp.sum(gdn.pallas(*a, interpret=False)[0])
-        fn, args = jax.grad(loss, argnums=(0, 1, 2, 3, 4)), shapes(jnp.float32, 64, beta=True)
-    elif mech == "swa":
-        fn, args = (lambda *a: swa.pallas(*a, sinks=8, window=56, interpret=False)), shapes(jnp.float32, 64)[:3]
-    else:
-        fn, extra, _ = CASES[mech]
-        args = shapes(jnp.float32, 64, **extra)
+        return jax.grad(gla_loss, argnums=(0, 1, 2, 3, 4)), [*shapes(dtype, 64, T=T),
+                                                             jax.ShapeDtypeStruct((B, H, 64, 64), jnp.float32)]
+    if mech == "gdn_backward":
+        loss = lambda *a: jnp.sum(gdn.pallas(*a, interpret=False)[0].astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), shapes(dtype, 64, beta=True, T=T)
+    fn, extra, _ = CASES[mech]
+    return fn, shapes(dtype, 64, T=T, **extra)
+
+
+LINEAR_KERNELS = [*CASES, "gla_backward", "gdn_backward"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mech", LINEAR_KERNELS)
+def test_state_pass_dots_take_the_model_dtype_and_accumulate_in_fp32(mech, dtype):
+    """Every dot inside the chunk-state kernels takes operands in the inputs' dtype (bf16: tensor
+    cores) and accumulates in fp32, at the default precision: no fp32 HIGHEST dots."""
+    fn, args = linear_kernel_program(mech, jnp.dtype(dtype))
+    dots = kernel_dots(fn, *args)
+    assert dots, "no dot found inside the kernel: the jaxpr walk is broken"
+    for eqn in dots:
+        assert {str(x.aval.dtype) for x in eqn.invars} == {dtype}
+        assert eqn.params["preferred_element_type"] == jnp.float32
+        assert jax.lax.Precision.HIGHEST not in (eqn.params["precision"] or ())
+
+
+def kernel_sizes(fn, *args):
+    """Equation counts of the kernel bodies (each pallas_call's jaxpr, nested jaxprs included)."""
+    def count(jaxpr):
+        return sum(1 + sum(count(sub) for sub in jax.extend.core.jaxprs_in_params(e.params)) for e in jaxpr.eqns)
+
+    sizes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                sizes.append(count(eqn.params["jaxpr"]))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return sizes
+
+
+@pytest.mark.parametrize("mech", ["gdn_backward", "gla_backward"])
+def test_kernel_programs_do_not_grow_with_the_sequence(mech):
+    """The chunks are a loop inside each kernel, not unrolled: the same kernel bodies at T 200
+    and T 2,000 (compile time independent of T)."""
+    sizes = [kernel_sizes(fn, *args) for fn, args in (linear_kernel_program(mech, jnp.bfloat16, T=t) for t in (200, 2000))]
+    assert len(sizes[0]) == 2 and sizes[0] == sizes[1]
+
+
+def test_swa_dots_run_at_full_fp32_precision():
+    """Triton lowers an fp32 dot at the default precision to TF32; SWA's kernel asks for HIGHEST
+    (IEEE fp32), which its fp32 tolerances need on a GPU."""
+    fn, args = (lambda *a: swa.pallas(*a, sinks=8, window=56, interpret=False)), shapes(jnp.float32, 64)[:3]
     dots = kernel_dots(fn, *args)
     assert dots, "no dot found inside the kernel: the jaxpr walk is broken"
     precisions = {str(eqn.params["precision"]) for eqn in dots}
