@@ -15,7 +15,7 @@ Backward, with dS = ∂L/∂S_{n+1} carried from the last chunk to the first:
 Layout as FLA's `chunk_delta_h`: one program per (block of BV value columns, batch × head), the
 fp32 state [Dk, BV] carried in registers through a `fori_loop` over the chunks (a loop, not
 unrolled: the kernel's size does not grow with T), two dots a chunk forward, four backward. Dot
-operands are in the model's dtype (bf16 on tensor cores; fp32 inputs give TF32 on a GPU) with fp32
+operands are in the model's dtype (bf16 on tensor cores; fp32 at full precision, not TF32) with fp32
 accumulation; the states entering each chunk and the new values U are stored in that dtype. Value
 columns are independent, so the key-side gradients (k_out, W, decay) come out per value block and
 are summed outside.
@@ -37,19 +37,25 @@ from linjax.kernels.pallas_common import MAX_BLOCK_V, pad_axis, tile_size, trito
 _F32 = jnp.float32
 
 
+def _exact_if_fp32(a):
+    """fp32 operands at full precision: Triton would run them as TF32 (10-bit mantissas) otherwise,
+    and an fp32 model means fp32 states. bf16 operands take the tensor cores' native dot."""
+    return lax.Precision.HIGHEST if a.dtype == _F32 else None
+
+
 def _dot(a, b):
     """a @ b in the operands' dtype, accumulated in fp32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_exact_if_fp32(a), preferred_element_type=_F32)
 
 
 def _dot_t(a, b):
     """a @ bᵀ."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_exact_if_fp32(a), preferred_element_type=_F32)
 
 
 def _t_dot(a, b):
     """aᵀ @ b."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_exact_if_fp32(a), preferred_element_type=_F32)
 
 
 def _forward_kernel(*refs, delta: bool, n_chunks: int):

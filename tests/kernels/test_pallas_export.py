@@ -145,14 +145,16 @@ LINEAR_KERNELS = [*CASES, "gla_backward", "gdn_backward"]
 @pytest.mark.parametrize("mech", LINEAR_KERNELS)
 def test_state_pass_dots_take_the_model_dtype_and_accumulate_in_fp32(mech, dtype):
     """Every dot inside the chunk-state kernels takes operands in the inputs' dtype (bf16: tensor
-    cores) and accumulates in fp32, at the default precision: no fp32 HIGHEST dots."""
+    cores) and accumulates in fp32; bf16 dots at the default precision, fp32 ones at HIGHEST (IEEE
+    fp32, not TF32)."""
     fn, args = linear_kernel_program(mech, jnp.dtype(dtype))
     dots = kernel_dots(fn, *args)
     assert dots, "no dot found inside the kernel: the jaxpr walk is broken"
     for eqn in dots:
         assert {str(x.aval.dtype) for x in eqn.invars} == {dtype}
         assert eqn.params["preferred_element_type"] == jnp.float32
-        assert jax.lax.Precision.HIGHEST not in (eqn.params["precision"] or ())
+        highest = jax.lax.Precision.HIGHEST in (eqn.params["precision"] or ())
+        assert highest == (dtype == "float32")
 
 
 def kernel_sizes(fn, *args):
