@@ -8,7 +8,7 @@ import numpy as np
 def relative_rms(actual, expected) -> float:
     """‖actual − expected‖ / ‖expected‖ over all elements, computed in float64.
 
-    The one error metric the tests use (ARCHITECTURE.md, "Testing conventions").
+    The one error metric the tests use (docs/architecture.md, "Testing conventions").
     An all-zero `expected` falls back to the absolute RMS of `actual`.
     """
     a = np.asarray(actual, dtype=np.float64)
@@ -30,3 +30,20 @@ def environment_with_user_xla_flags(**extra) -> dict:
     else:
         env.pop("XLA_FLAGS", None)
     return env
+
+
+def linear_mechanisms() -> tuple[str, ...]:
+    """Every linear mechanism of the mixer registry (`linjax.linearize.MIXERS`, the LinearMixer
+    subclasses), so a new mechanism joins the decode and export grids without an edit here."""
+    from linjax.linearize import MIXERS
+    from linjax.mixers.linear import LinearMixer
+
+    return tuple(name for name, mixer in MIXERS.items() if issubclass(mixer, LinearMixer))
+
+
+def window_mechanisms() -> tuple[str, ...]:
+    """Every mechanism of the mixer registry that attends through sinks + window (all but softmax)."""
+    from linjax.linearize import MIXERS
+    from linjax.mixers.softmax import SoftmaxAttention
+
+    return tuple(name for name, mixer in MIXERS.items() if mixer is not SoftmaxAttention)
