@@ -45,7 +45,7 @@ from linjax.files import write_json, write_text
 from linjax.generate import generate
 from linjax.linearize import with_budget
 
-# The generators' names, importable from here as before the split.
+# The generators' names, importable from here too (callers import them from this module).
 __all__ = ["ANSWER_PREFIX", "DEPTHS", "NEW_TOKENS", "NOISE", "TASKS", "TEMPLATE", "Generator", "Sample",
            "budget_variants", "default_haystack", "evaluate", "read_haystack", "run", "score"]
 

@@ -1,4 +1,4 @@
-"""The contract every linear-attention kernel keeps (ARCHITECTURE.md, "Kernel contract"), and its checks.
+"""The contract every linear-attention kernel keeps (docs/architecture.md, "Kernel contract"), and its checks.
 
 Each mechanism module (gla, kgla, gdn, linear_attn) exposes
 

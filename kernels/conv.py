@@ -62,16 +62,14 @@ def _causal_conv_forward(padded, w):
 
 def _causal_conv_backward(residuals, dy):
     """The backward written out as the same kind of shifted multiply-adds. Autodiff of the K slices
-    would pad dy into K full-size buffers and add them: six times slower on CPU at SmolLM2's shapes,
-    which made the short conv cost as much as the rest of a linearized block's backward."""
+    would pad dy into K full-size buffers and add them (results/bench/HISTORY.md)."""
     padded, w = residuals
     K, T = w.shape[0], dy.shape[1]
     # d padded[s] = Σ_i w[i] dy[s − i]: the taps reversed, over dy padded by K − 1 on both sides.
     dy_padded = jnp.pad(dy, ((0, 0), (K - 1, K - 1), (0, 0)))
     d_padded = _taps(dy_padded, w[::-1], T + K - 1)
     # d w[i] = Σ_{b,t} dy[b,t] ⊙ padded[b,t + i]: per tap, a fused product summed over (b, t) by a
-    # vector-matrix product. One einsum over the K stacked windows made XLA:CPU transpose the stack to
-    # put C first (1.5 against 0.8 ms at [511, 576], K 8, under load).
+    # vector-matrix product; one einsum over the K stacked windows makes XLA:CPU transpose the stack.
     return d_padded, jnp.stack([scaling.column_sums((padded[:, i:i + T] * dy).reshape(-1, dy.shape[-1]))
                                 for i in range(K)])
 

@@ -10,7 +10,7 @@ scalar per head [B,T,H] (the original GDN); the rank tells which. Gates are expe
 be ≤ 0 (e.g. LogSigmoid); −inf-like values such as −1000 are a hard reset. q and k are
 used as given: the caller L2-normalises them.
 
-Functions (ARCHITECTURE.md, "Kernel contract"):
+Functions (docs/architecture.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.

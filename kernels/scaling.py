@@ -1,13 +1,11 @@
 """Per-row and per-column scalings, and sums over the last axis, whose gradients are matrix-vector
 products instead of reductions.
 
-XLA:CPU hands small reductions (a [9, 64, 64] block summed over its last axis, say) to a YNNPACK
-fusion that costs about 0.1 ms each whatever its size, while a matrix-vector product of the same
-block costs a few microseconds. Each step of the chunked kernels' scan (`gdn.py`, `gla.py`) had
-three or four of them: the scores' diagonal in the forward; in the backward, the gradients of
-the state's chunk decay Diag(Γ_C) S and of T⁻¹ Diag(β). Written as below, GDN's forward +
-backward at SmolLM2's shapes (B 1, T 512, 9 heads, D 64) went from 21.2 to 17.7 ms
-(same-process A/B, both cores shared with a training run).
+XLA:CPU runs each small reduction (a [9, 64, 64] block summed over its last axis, say) as a
+separate fusion with a fixed cost far above that of a matrix-vector product of the same block.
+The chunked kernels' scan steps (`gdn.py`, `gla.py`) and the layers' normalisations use these
+instead: the scores' diagonal in the forward; in the backward, the gradients of the state's
+chunk decay Diag(Γ_C) S and of T⁻¹ Diag(β). Measurements: results/bench/HISTORY.md.
 
     row_sums(x)        Σ over the last axis:  x @ 1
     column_sums(x)     Σ over the rows:       1 @ x

@@ -52,7 +52,8 @@ KERNELS = ("auto", "chunked", "pallas")
 FLA_DEFAULT_SCALE = "fla_default"
 
 # Settings whose default changed, with the value they had before: what a config saved without the
-# setting was run with. `scale` moved from FLA's Dk^-1/2 to 1 after the output-scale ablation.
+# setting was run with, so it loads as it was trained. `scale`: FLA's Dk^-1/2 before, 1 now
+# (results/README.md, "Output scale").
 LEGACY_DEFAULTS = {"scale": None}
 
 
@@ -72,12 +73,11 @@ class LinearizeConfig:
         (pure JAX, any backend) or "pallas" (GPU kernels; interpreted on CPU). "auto" is kept as
         written in saved settings and resolved by each process, so a model trained on a GPU loads
         on a CPU with the XLA kernels.
-    scale: the linear term's output scale, y = scale · qᵀS. Default 1, the paper's y = qᵀS, which
-        the output-scale ablation chose (README, "The paper's claims"): pure GDN learns at 1 and
-        stays at a uniform guess at Dk^-1/2; with a window the two are within noise.
+    scale: the linear term's output scale, y = scale · qᵀS. Default 1, the paper's y = qᵀS: pure
+        GDN learns at 1 and not at Dk^-1/2 (results/README.md, "Output scale").
         "fla_default" (None in Python): FLA's kernels' default, Dk^-1/2 for GLA, kGLA, GDN and
-        gdn_scalar (1 for Hedgehog), which was linjax's default before; a saved config without a
-        scale, or with null, was trained with it and still loads so (`LEGACY_DEFAULTS`).
+        gdn_scalar (1 for Hedgehog); a saved config without a scale, or with null, was trained
+        with it and still loads so (`LEGACY_DEFAULTS`).
     output_gain: a learned per-head gain (initialised to 1) on the linear term, one new
         parameter per head and layer.
     gate_bias: the decay gate's bias at initialisation (GLA, kGLA, GDN, gdn_scalar): 1 as in the
@@ -206,7 +206,7 @@ def linearize(model, config: LinearizeConfig, seed: int = 0):
 
 def with_budget(model, *, sinks: int, window: int):
     """The same linearized model (shared arrays, new module objects) with every linear mixer's
-    sinks and window replaced: evaluating a model trained at one cache budget at another
+    `SinksWindow` replaced by one at the new budget: evaluating a model trained at one cache budget at another
     (e.g. trained with 8 + 56, read with 8 + 120 = 128 cached tokens). No parameter changes."""
     config = getattr(model, "linearize_config", None)
     if config is None:
@@ -216,7 +216,7 @@ def with_budget(model, *, sinks: int, window: int):
     new = nnx.merge(graphdef, state)
     for block in new.layers:
         if not isinstance(block.attn, SoftmaxAttention):
-            block.attn.sinks, block.attn.window = sinks, window
+            block.attn.sinks_window = block.attn.sinks_window.with_budget(sinks=sinks, window=window)
     new.linearize_config = config
     return new
 
@@ -224,9 +224,9 @@ def with_budget(model, *, sinks: int, window: int):
 class KeySequence:
     """Hands out `params()` keys like `nnx.Rngs`, as fold_in(key(seed), n) with a Python counter.
 
-    nnx.Rngs keeps its counter in a Variable; updating a Variable with a traced
-    value is slow (about 13 ms each under `nnx.eval_shape`), which made building
-    an abstract linearized 8B model take seconds. Mixers only call `params()`.
+    nnx.Rngs keeps its counter in a Variable, and updating a Variable with a
+    traced value under `nnx.eval_shape` is slow enough to make building an
+    abstract linearized 8B model take seconds. Mixers only call `params()`.
     """
 
     def __init__(self, seed: int):

@@ -13,7 +13,7 @@ import numpy as np
 def relative_rms(actual, expected) -> float:
     """‖actual − expected‖ / ‖expected‖ over all elements, computed in float64.
 
-    The one error metric the tests use (ARCHITECTURE.md, "Testing conventions").
+    The one error metric the tests use (docs/architecture.md, "Testing conventions").
     An all-zero `expected` falls back to the absolute RMS of `actual`.
     """
     a = np.asarray(actual, dtype=np.float64)
@@ -94,3 +94,20 @@ def require_embedded_model() -> str:
         return embedded_gguf_path()
     except FileNotFoundError as err:
         missing(str(err))
+
+
+def linear_mechanisms() -> tuple[str, ...]:
+    """Every linear mechanism of the mixer registry (`linjax.linearize.MIXERS`, the LinearMixer
+    subclasses), so a new mechanism joins the decode and export grids without an edit here."""
+    from linjax.linearize import MIXERS
+    from linjax.mixers.linear import LinearMixer
+
+    return tuple(name for name, mixer in MIXERS.items() if issubclass(mixer, LinearMixer))
+
+
+def window_mechanisms() -> tuple[str, ...]:
+    """Every mechanism of the mixer registry that attends through sinks + window (all but softmax)."""
+    from linjax.linearize import MIXERS
+    from linjax.mixers.softmax import SoftmaxAttention
+
+    return tuple(name for name, mixer in MIXERS.items() if mixer is not SoftmaxAttention)

@@ -6,8 +6,8 @@ import JAX) loads every export and prints the max abs logit differences as JSON.
 
 Coverage: every mechanism × adapter (None, shortconv, LoRA with B ≠ 0) × window
 (none, w 64 s 0, w 56 s 8). To keep the number of compiles small, one case is a
-6-layer model whose layers 0-4 are GLA, kGLA, GDN, gdn_scalar and Hedgehog and
-whose layer 5 is kept as softmax attention (keep_full_attention, the hybrid):
+model with one layer per linear mechanism of the mixer registry and a last layer
+kept as softmax attention (keep_full_attention, the hybrid):
 an error in any layer shows in the logits. Both base models run the full adapter ×
 window grid: LLaMA with llama3 RoPE and q/k/v/o biases, Qwen3 with q/k norm and tied
 embeddings. The LLaMA run adds combine="mixed", the window-only baseline (mechanism
@@ -34,9 +34,11 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import python_environment, require_embedded_model
+from tests.helpers import linear_mechanisms, python_environment, require_embedded_model
 
-MECHANISMS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
+MECHANISMS = linear_mechanisms()
+LAYERS = len(MECHANISMS) + 1  # one per mechanism, then one kept as softmax attention
+SOFTMAX_LAYER = LAYERS - 1
 ADAPTERS = (None, "shortconv", "lora")
 WINDOWS = ((0, 0), (64, 0), (56, 8))
 TOLERANCE = 1e-4
@@ -54,8 +56,8 @@ def base_config(model_type: str):
     from linjax.config import tiny_config
 
     if model_type == "llama":
-        return tiny_config("llama", num_hidden_layers=6, attention_bias=True, rope_type="llama3", rope_factor=8.0)
-    return tiny_config("qwen3", num_hidden_layers=6, tie_word_embeddings=True)
+        return tiny_config("llama", num_hidden_layers=LAYERS, attention_bias=True, rope_type="llama3", rope_factor=8.0)
+    return tiny_config("qwen3", num_hidden_layers=LAYERS, tie_word_embeddings=True)
 
 
 def grid():
@@ -64,7 +66,7 @@ def grid():
 
 
 def build_case(model_type: str, adapter, window: int, sinks: int, combine: str = "sum", seed: int = 0, **extra):
-    """A linearized tiny model: layers 0-4 one per mechanism, layer 5 softmax; new parameters randomised
+    """A linearized tiny model: one layer per mechanism, the last one softmax; new parameters randomised
     (the output gains too, with `output_gain=True` in `extra`, the further LinearizeConfig settings)."""
     import jax
     from flax import nnx
@@ -76,7 +78,7 @@ def build_case(model_type: str, adapter, window: int, sinks: int, combine: str =
 
     config = base_config(model_type)
     settings = linjax.LinearizeConfig(mechanism=MECHANISMS[0], adapter=adapter, window=window, sinks=sinks,
-                                      combine=combine, keep_full_attention=(5,), **extra)
+                                      combine=combine, keep_full_attention=(SOFTMAX_LAYER,), **extra)
     model = linjax.linearize(CausalLM(config, rngs=nnx.Rngs(seed)), settings, seed=seed)
     for i, mechanism in enumerate(MECHANISMS[1:], start=1):
         model.layers[i].attn = MIXERS[mechanism](model.layers[i].attn.proj, settings, rngs=nnx.Rngs(seed + i))
@@ -93,13 +95,13 @@ def build_case(model_type: str, adapter, window: int, sinks: int, combine: str =
 
 
 def window_only_case(model_type: str, seed: int = 0):
-    """The window-only baseline (sinks + window softmax, no linear term) with layer 5 kept as full attention."""
+    """The window-only baseline (sinks + window softmax, no linear term) with the last layer kept as full attention."""
     from flax import nnx
 
     import linjax
     from linjax.model import CausalLM
 
-    settings = linjax.LinearizeConfig(mechanism="window", window=56, sinks=8, keep_full_attention=(5,))
+    settings = linjax.LinearizeConfig(mechanism="window", window=56, sinks=8, keep_full_attention=(SOFTMAX_LAYER,))
     return linjax.linearize(CausalLM(base_config(model_type), rngs=nnx.Rngs(seed)), settings, seed=seed)
 
 

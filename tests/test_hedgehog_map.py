@@ -106,7 +106,7 @@ def test_pytorch_mirror_feature_map_matches_fla(case):
 @pytest.mark.parametrize("name,layers,paper_millions", [("llama-3.1-8b", 32, 10.6), ("qwen3-8b", 36, 11.9)])
 def test_hedgehog_trainable_count_is_a_tenth_of_the_papers(name, layers, paper_millions):
     """One map for q and one for k per layer, each D × D + D (D = 128): the paper's appendix
-    prints ten times this count (10.6M, 11.9M), as the README says."""
+    prints ten times this count (10.6M, 11.9M), as results/README.md says."""
     import linjax
 
     path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs", f"{name}.json")

@@ -14,10 +14,10 @@ import linjax
 from linjax.config import tiny_config
 from linjax.linearize import mixer_names
 from linjax.model import CausalLM
-from tests.helpers import relative_rms
+from tests.helpers import linear_mechanisms, relative_rms
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
-MECHANISMS = ("gla", "kgla", "gdn", "gdn_scalar", "hedgehog")
+MECHANISMS = linear_mechanisms()
 WINDOWS = {"pure": (0, 0), "swa64": (64, 0), "w56s8": (56, 8)}
 ADAPTERS = (None, "shortconv", "lora")
 

@@ -10,13 +10,17 @@ paper's strict setting. The softmax part uses the pretrained queries and keys
 as they are (post-RoPE), so inside the window the mixer is the original
 attention; the linear part uses them after the short convolution (if any)
 and the mechanism's feature transform (L2 normalisation, or Hedgehog's maps).
+`SinksWindow` (sinks_window.py) owns the softmax part, the shift of the linear
+inputs and their decode cache; one call is the pipeline
+
+    projections → short conv → features, gates → SinksWindow → linear kernel → gain → combine → out
 
 The linear term is scaled by `scale` (LinearizeConfig: 1 by default, the
 paper's y = qᵀS; None: the mechanism's own, Dk^-1/2 as in FLA's kernels, 1 for
 Hedgehog) and, with `output_gain`, by a learned per-head gain g_h (initialised
 to 1). With L2-normalised q and k the delta rule's output is bounded by about
 scale · ‖v‖, so both decide whether the linear part can reach the output size
-of the softmax attention it replaces (issue 18: at Dk^-1/2 pure GDN does not).
+of the softmax attention it replaces (at Dk^-1/2 pure GDN does not: results/README.md).
 
 A subclass (one file per mechanism) names its mechanism (`mechanism`, the name
 LinearizeConfig and the export use) and its kernel module in `linjax.kernels`,
@@ -32,8 +36,10 @@ import numpy as np
 from flax import nnx
 
 from linjax.adapters import LoRA, ShortConv
-from linjax.kernels import scaling, swa
+from linjax.kernels import scaling
+from linjax.kernels.swa import SoftmaxParts
 from linjax.layers import AttentionProjections, Trainable, float32_array
+from linjax.mixers.sinks_window import SinksWindow
 from linjax.mixers.states import LinearState
 
 
@@ -56,7 +62,7 @@ class LinearMixer(nnx.Module):
     def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
         """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig."""
         self.proj = proj
-        self.window, self.sinks = settings.window, settings.sinks
+        self.sinks_window = SinksWindow.from_settings(settings)
         self.combine = settings.combine
         self.chunk = settings.chunk
         self.scale = self.linear_scale if settings.scale is None else settings.scale
@@ -103,8 +109,10 @@ class LinearMixer(nnx.Module):
 
     # ---------------------------------------------------------------- shared machinery
 
-    def _run_kernel(self, q, k, v, gates, state, decode: bool):
+    def _run_kernel(self, q, k, v, gates, state: LinearState | None):
         """(output or numerator, new state, normaliser or None) from the mechanism's kernel."""
+        decode = state is not None and q.shape[1] == 1
+        state = None if state is None else state.linear
         extra = {"normalize": False} if self.normalized else {}
         if self.chunk is not None and not decode:
             extra["chunk"] = self.chunk
@@ -129,16 +137,12 @@ class LinearMixer(nnx.Module):
         linear = jnp.zeros((batch, heads, self.feature_dim(), value_dim), jnp.float32)
         conv = None if self.conv is None else self.conv.empty_caches(
             batch, heads * head_dim, kv_heads * head_dim, dtype)
-        window = shifted = None
-        if self.window:
-            window = swa.empty_cache(batch, kv_heads, head_dim, head_dim, sinks=self.sinks,
-                                     window=self.window, dtype=dtype)
-            # One ring per linear input, shaped like a single time step of it.
-            shapes = self._shifted_shapes(batch, dtype)
-            shifted = tuple(jnp.zeros((batch, self.window) + s.shape[2:], s.dtype) for s in shapes)
-        return LinearState(linear, jnp.zeros((), jnp.int32), conv, window, shifted)
+        # One ring per linear input, shaped like a single time step of it (traced only with a window).
+        window = None if not self.sinks_window.window else self.sinks_window.empty_cache(
+            batch, kv_heads, head_dim, dtype, linear_inputs=self._linear_input_shapes(batch, dtype))
+        return LinearState(linear, jnp.zeros((), jnp.int32), conv, window)
 
-    def _shifted_shapes(self, batch, dtype):
+    def _linear_input_shapes(self, batch, dtype):
         """Shapes of (k', v', *gates) for one token, found by tracing the mixer's own transforms."""
         d = self.proj.q_proj.kernel.shape[0]
 
@@ -151,54 +155,25 @@ class LinearMixer(nnx.Module):
         return jax.eval_shape(one_token, jax.ShapeDtypeStruct((batch, 1, d), dtype))
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: LinearState | None = None):
-        b, t, _ = x.shape
-        decode = state is not None and t == 1
         q, k, v = self.proj.qkv(x, positions, self.lora)
-        softmax_q, softmax_k, softmax_v = q, k, v
-        conv_state = None
-        if self.conv is not None:
-            (q, k, v), conv_state = self.conv(q, k, v, None if state is None else state.conv)
+        softmax_qkv = (q, k, v)  # the window attends with the pretrained queries and keys as they are
+        (q, k, v), conv_state = self._short_conv(q, k, v, state)
         q, k = self.features(q, k)
         gates = tuple(self.gates(x, k))
-        start = jnp.zeros((), jnp.int32) if state is None else state.length
-
-        window_state = shifted_state = None
-        linear_inputs = (k, v) + gates
-        if self.window:
-            if decode:  # only the token leaving the window enters the state
-                linear_inputs = swa.leaving_window(state.shifted, start, sinks=self.sinks)
-            else:
-                history = None if state is None else tuple(swa.unroll_ring(ring, start) for ring in state.shifted)
-                linear_inputs = swa.shifted_linear_inputs(*linear_inputs, sinks=self.sinks, window=self.window,
-                                                          history=history, start=start)
-            if state is not None:
-                shifted_state = tuple(swa.write_ring(ring, xs, start)
-                                      for ring, xs in zip(state.shifted, (k, v) + gates))
-        lin_k, lin_v, *lin_gates = linear_inputs
-        lin_out, linear_state, normaliser = self._run_kernel(
-            q, lin_k, lin_v, lin_gates, None if state is None else state.linear, decode)
-        lin_out, normaliser = self._apply_gain(lin_out, normaliser)
-
-        if self.window:
-            if state is None:  # the backend chosen for the block runs both parts
-                window_attention = swa.pallas if self.use_pallas else swa.chunked
-                parts = window_attention(softmax_q, softmax_k, softmax_v, sinks=self.sinks, window=self.window,
-                                         **self._window_chunk())
-            elif decode:
-                parts, window_state = swa.step(softmax_q[:, 0], softmax_k[:, 0], softmax_v[:, 0], state.window)
-                parts = jax.tree.map(lambda a: a[:, None], parts)
-            else:
-                parts, window_state = swa.prefill(softmax_q, softmax_k, softmax_v, state.window,
-                                                  **self._window_chunk())
-            y = self._combine(lin_out, normaliser, parts)
-        elif self.normalized:
-            y = lin_out / (normaliser[..., None] + 1e-10)
-        else:
-            y = lin_out
+        parts, (lin_k, lin_v, *lin_gates), window_state = self.sinks_window(
+            *softmax_qkv, linear_inputs=(k, v) + gates, cache=None if state is None else state.window)
+        lin_out, linear_state, normaliser = self._run_kernel(q, lin_k, lin_v, lin_gates, state)
+        y = self._combine(*self._apply_gain(lin_out, normaliser), parts)
         out = self.proj.out(y.astype(x.dtype), self.lora)
         if state is None:
             return out
-        return out, LinearState(linear_state, start + t, conv_state, window_state, shifted_state)
+        return out, LinearState(linear_state, state.length + x.shape[1], conv_state, window_state)
+
+    def _short_conv(self, q, k, v, state):
+        """q, k, v after the short convolution (if any), and its caches after them."""
+        if self.conv is None:
+            return (q, k, v), None
+        return self.conv(q, k, v, None if state is None else state.conv)
 
     def _apply_gain(self, lin_out, normaliser):
         """The linear term [B,T,H,Dv] (and Hedgehog's normaliser [B,T,H]) times the per-head gain.
@@ -216,14 +191,14 @@ class LinearMixer(nnx.Module):
             return lin_out, normaliser
         gain = self.output_gain[...]
         lin_out = lin_out.astype(jnp.float32) * gain[:, None]
-        if self.normalized and self.window and self.combine == "sum":
+        if self.normalized and self.sinks_window.window and self.combine == "sum":
             normaliser = normaliser * gain
         return lin_out, normaliser
 
-    def _window_chunk(self):
-        return {} if self.chunk is None else {"chunk": self.chunk}
-
-    def _combine(self, lin_out, normaliser, parts: swa.SoftmaxParts):
+    def _combine(self, lin_out, normaliser, parts: SoftmaxParts | None):
+        """y from the linear term and the window's softmax parts (None: no window)."""
+        if parts is None:
+            return lin_out / (normaliser[..., None] + 1e-10) if self.normalized else lin_out
         lin_out = lin_out.astype(jnp.float32)
         if self.normalized and self.combine == "sum":
             # One shared normaliser over both parts (LoLCATs).

@@ -1,7 +1,7 @@
 """The original softmax attention, with a KV cache for decoding.
 
 This is the pretrained mixer every linear mechanism replaces, and the teacher
-for attention transfer. Modes (ARCHITECTURE.md, "Modes of a mixer"): with no
+for attention transfer. Modes (docs/architecture.md, "Modes of a mixer"): with no
 state it attends causally over x; with a `KVCache` it appends x's keys and
 values at `cache.length` and attends over everything cached so far.
 """

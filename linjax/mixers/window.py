@@ -8,7 +8,7 @@ cache budget (s sinks + w window), but tokens that leave the window are simply
 forgotten. Recent work reports it as a baseline that is hard to beat on short
 tasks; on retrieval beyond the window (S-NIAH) it shows what the linear state
 adds. It has no new parameters and needs no training: the pretrained
-projections are used as they are.
+projections are used as they are, and `SinksWindow` (sinks_window.py) does the rest.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linjax.kernels import swa
 from linjax.layers import AttentionProjections
-from linjax.mixers.states import WindowCache
+from linjax.mixers.sinks_window import SinksWindow, SinksWindowCache
 
 
 class WindowAttention(nnx.Module):
@@ -28,35 +27,22 @@ class WindowAttention(nnx.Module):
     mechanism = "window"
 
     def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
-        """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig (window ≥ 1)."""
+        """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig (window ≥ 1,
+        which LinearizeConfig checks)."""
         del rngs  # nothing to initialise
-        if settings.window < 1:
-            raise ValueError("mechanism 'window' (window-only attention) needs window ≥ 1; "
-                             f"got window={settings.window}, sinks={settings.sinks}")
         self.proj = proj
-        self.window, self.sinks = settings.window, settings.sinks
-        self.chunk = settings.chunk
-        self.use_pallas = settings.uses_pallas()
+        self.sinks_window = SinksWindow.from_settings(settings)
 
     def torch_tensors(self, prefix: str, pretrained: dict) -> dict:
         """Nothing beyond the pretrained projections for the PyTorch export (LinearMixer.torch_tensors)."""
         return {}
 
-    def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> WindowCache:
+    def init_state(self, batch: int, max_length: int, dtype=jnp.float32) -> SinksWindowCache:
         del max_length  # the cache holds sinks + window tokens, whatever the context length
-        return swa.empty_cache(batch, self.proj.num_kv_heads, self.proj.head_dim, self.proj.head_dim,
-                               sinks=self.sinks, window=self.window, dtype=dtype)
+        return self.sinks_window.empty_cache(batch, self.proj.num_kv_heads, self.proj.head_dim, dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, state: WindowCache | None = None):
+    def __call__(self, x: jax.Array, positions: jax.Array, state: SinksWindowCache | None = None):
         q, k, v = self.proj.qkv(x, positions)
-        chunk = {} if self.chunk is None else {"chunk": self.chunk}
-        if state is None:
-            run = swa.pallas if self.use_pallas else swa.chunked
-            parts = run(q, k, v, sinks=self.sinks, window=self.window, **chunk)
-        elif x.shape[1] == 1:
-            parts, state = swa.step(q[:, 0], k[:, 0], v[:, 0], state)
-            parts = jax.tree.map(lambda a: a[:, None], parts)
-        else:
-            parts, state = swa.prefill(q, k, v, state, **chunk)
+        parts, _, state = self.sinks_window(q, k, v, cache=state)
         out = self.proj.out(parts.normalized().astype(x.dtype))
         return out if state is None else (out, state)

@@ -3,7 +3,7 @@
 What was seen: a jitted chunked kernel at head dim 64 whose initial state is a constant built
 inside `jit` (zeros) returned values around 1e30, with no error. linjax used to turn the whole
 ynn fusion off on import (`--xla_cpu_experimental_ynn_fusion_type=`), which made SmolLM2's
-forward slower (see the README's performance section). The workaround now is the narrow one:
+forward slower (results/bench/HISTORY.md, "XLA's fast paths back on"). The workaround now is the narrow one:
 the kernels' default zero state passes an optimization barrier (`gla.initial_state_or_zeros`),
 and XLA's fast paths stay on everywhere. A miscompile depends on the compiler's settings, so
 these checks run in one subprocess with the XLA flags users have, not the suite's

@@ -25,7 +25,7 @@ import linjax
 from linjax.config import tiny_config
 from linjax.kernels import gdn, gla, kgla, linear_attn, swa
 from linjax.model import CausalLM
-from tests.helpers import environment_with_user_xla_flags, python_environment
+from tests.helpers import environment_with_user_xla_flags, python_environment, window_mechanisms
 
 
 CONCURRENT_GDN = textwrap.dedent("""
@@ -100,7 +100,7 @@ def test_chunked_kernels_lower_without_lapack(name):
         assert _lapack_calls(program.lower(*args)) == [], f"{name} lowers to a LAPACK call"
 
 
-@pytest.mark.parametrize("mechanism", ["gla", "kgla", "gdn", "gdn_scalar", "hedgehog", "window"])
+@pytest.mark.parametrize("mechanism", window_mechanisms())
 def test_linearized_model_lowers_without_lapack(mechanism):
     """The hot paths of a linearized model: the training gradient and a decode step."""
     base = CausalLM(tiny_config("llama", num_hidden_layers=1), rngs=nnx.Rngs(0))

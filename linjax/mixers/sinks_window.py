@@ -1,0 +1,124 @@
+"""Sinks + sliding window: the exact softmax part of a mixer and the shift of its linear inputs.
+
+With s sink tokens and a window of w (paper, sec. 4, "Adding Sliding Window Attention"):
+
+    y_t = q_t S_{s:t-w} + softmax-attention(q_t; positions in I_t),
+    I_t = { j ≤ t : j < s  or  t − j < w }
+
+`SinksWindow` owns everything on the right of the `+` and the index shift on the left:
+the settings (s, w), the softmax over I_t with the pretrained q, k, v, and the inputs of the
+linear kernel moved w positions later (sinks removed), so that the kernel's state at t is
+S_{s:t-w} and every past token reaches y_t exactly once. The arithmetic is in kernels/swa.py;
+this module picks the form for each of the three modes and keeps the decode cache:
+
+    training  no cache         swa.chunked (or swa.pallas) over the whole sequence
+    prefill   cache, T > 1     swa.prefill after the cached tokens; the linear inputs' history
+                               comes from the rings
+    decode    cache, T = 1     swa.step against the ring buffer; the linear kernel gets the
+                               one token leaving the window (swa.leaving_window)
+
+With w = 0 (pure linear attention) it passes the linear inputs through and adds nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linjax.kernels import swa
+from linjax.kernels.swa import SoftmaxParts, WindowCache
+
+
+class SinksWindowCache(NamedTuple):
+    """What `SinksWindow` keeps between calls. Its size depends on s and w only, not on the context.
+
+    A further kind of retained token (kept for its content, beside the sinks and the window) adds a
+    field here, defaulting to None, and its own branch in `SinksWindow`.
+    """
+
+    softmax: WindowCache  # the pretrained keys/values of the sinks (slots) and the window (a ring)
+    linear_inputs: tuple | None = None  # rings [B, w, ...] of the linear inputs (k', v', *gates) still
+    #                                     in the window; None when there is no linear term
+
+    @property
+    def length(self) -> jax.Array:
+        """Tokens seen so far (every decode state counts them; linjax/mixers/states.py)."""
+        return self.softmax.length
+
+
+class SinksWindow(nnx.Module):
+    """The sinks + window part of a mixer: settings, three-mode dispatch and decode cache. No parameters."""
+
+    def __init__(self, *, sinks: int, window: int, chunk: int | None = None, use_pallas: bool = False):
+        if sinks < 0 or window < 0:
+            raise ValueError(f"window and sinks must be ≥ 0, got window={window}, sinks={sinks}")
+        if sinks and not window:
+            raise ValueError(f"sinks={sinks} need a window ≥ 1 (the current token is always attended exactly)")
+        self.sinks, self.window = sinks, window
+        self.chunk = chunk  # the softmax kernel's query block; None: swa.CHUNK
+        self.use_pallas = use_pallas
+
+    @classmethod
+    def from_settings(cls, settings) -> "SinksWindow":
+        """From a LinearizeConfig."""
+        return cls(sinks=settings.sinks, window=settings.window, chunk=settings.chunk,
+                   use_pallas=settings.uses_pallas())
+
+    def with_budget(self, *, sinks: int, window: int) -> "SinksWindow":
+        """A new SinksWindow with another cache budget and the same kernels."""
+        return SinksWindow(sinks=sinks, window=window, chunk=self.chunk, use_pallas=self.use_pallas)
+
+    def empty_cache(self, batch: int, kv_heads: int, head_dim: int, dtype=jnp.float32,
+                    linear_inputs: tuple | None = None) -> SinksWindowCache | None:
+        """The cache before the first token; None without a window. `linear_inputs`: the shapes of one
+        token of each linear input (k', v', *gates, [B, 1, ...]), one ring each; None: no linear term."""
+        if not self.window:
+            return None
+        softmax = swa.empty_cache(batch, kv_heads, head_dim, head_dim, sinks=self.sinks, window=self.window,
+                                  dtype=dtype)
+        rings = None if linear_inputs is None else tuple(
+            jnp.zeros((batch, self.window) + s.shape[2:], s.dtype) for s in linear_inputs)
+        return SinksWindowCache(softmax, rings)
+
+    def __call__(self, q, k, v, *, linear_inputs: tuple = (), cache: SinksWindowCache | None = None):
+        """(softmax parts or None, shifted linear inputs, cache after these tokens or None).
+
+        q, k, v [B, T, H(kv), D]: the pretrained projections after RoPE, for the softmax over I_t.
+        linear_inputs: (k', v', *gates) [B, T, ...] of the linear kernel, returned shifted so that the
+        kernel's state at t is S_{s:t-w}. cache: None in training, else the cache before these tokens.
+        """
+        if not self.window:
+            return None, linear_inputs, cache
+        shifted, rings = self._shift(linear_inputs, cache)
+        parts, softmax = self._attend(q, k, v, cache)
+        return parts, shifted, None if cache is None else SinksWindowCache(softmax, rings)
+
+    def _shift(self, inputs: tuple, cache: SinksWindowCache | None):
+        """The linear inputs moved w positions later (sink keys zeroed), and the rings after them."""
+        if not inputs:
+            return inputs, None if cache is None else cache.linear_inputs
+        if cache is None:
+            return swa.shifted_linear_inputs(*inputs, sinks=self.sinks, window=self.window), None
+        start = cache.length
+        if inputs[0].shape[1] == 1:  # decode: only the token leaving the window enters the state
+            shifted = swa.leaving_window(cache.linear_inputs, start, sinks=self.sinks)
+        else:
+            history = tuple(swa.unroll_ring(ring, start) for ring in cache.linear_inputs)
+            shifted = swa.shifted_linear_inputs(*inputs, sinks=self.sinks, window=self.window,
+                                                history=history, start=start)
+        rings = tuple(swa.write_ring(ring, x, start) for ring, x in zip(cache.linear_inputs, inputs))
+        return shifted, rings
+
+    def _attend(self, q, k, v, cache: SinksWindowCache | None) -> tuple[SoftmaxParts, WindowCache | None]:
+        """Softmax over the sinks and the window, in the form the mode needs."""
+        chunk = {} if self.chunk is None else {"chunk": self.chunk}
+        if cache is None:  # training: the backend chosen for the block runs both parts
+            run = swa.pallas if self.use_pallas else swa.chunked
+            return run(q, k, v, sinks=self.sinks, window=self.window, **chunk), None
+        if q.shape[1] == 1:
+            parts, softmax = swa.step(q[:, 0], k[:, 0], v[:, 0], cache.softmax)
+            return jax.tree.map(lambda a: a[:, None], parts), softmax
+        return swa.prefill(q, k, v, cache.softmax, **chunk)
