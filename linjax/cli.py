@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("train", help="train the new parameters of a linearized model (TOML experiment)")
-    p.add_argument("config", help="experiment TOML file (see README, 'Training')")
+    p.add_argument("config", help="experiment TOML file (see README, 'Configuration')")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",

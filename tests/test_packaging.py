@@ -84,3 +84,15 @@ def test_installed_command_runs_from_the_checkout_root(tmp_path):
         assert done.returncode == 0, f"linjax {' '.join(args)}:\n{done.stderr[-3000:]}"
     version = subprocess.run([command, "--version"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert version.stdout.strip().endswith(f"from {installed}"), version.stdout
+
+
+def test_ci_runs_the_readme_first_command_with_the_smoke_config():
+    """.ci/run starts with the README's first command, the demo config swapped for the seconds-long one."""
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = [line for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read().splitlines()
+    (first,) = [line for line in readme if line.endswith("linjax run configs/demo.toml")]
+    assert first.startswith("python3 -m venv .venv") and " -e " not in first  # a non-editable install
+    assert first.replace("configs/demo.toml", "configs/smoke.toml") in ci
+    assert os.path.exists(os.path.join(ROOT, "configs", "smoke.toml"))
