@@ -10,6 +10,7 @@ beside its place and swaps it in, so parameters and manifest are always replaced
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -125,7 +126,11 @@ def trained_model(base: CausalLM, directory: str, manifest: dict) -> CausalLM:
 def _restore_trainable(model: CausalLM, directory: str) -> None:
     target = _on_this_process(nnx.state(model, Trainable))
     # orbax takes absolute paths only; a run directory is often given relative to the working directory.
-    nnx.update(model, _checkpointer().restore(os.path.join(os.path.abspath(directory), "trainable"), target))
+    path = os.path.join(os.path.abspath(directory), "trainable")
+    if not os.path.exists(path):  # a save killed inside its swap: the earlier parameters, set aside, match
+        aside = glob.glob(os.path.join(os.path.abspath(directory), ".trainable.linjax-old-*"))  # the manifest
+        path = max(aside, key=os.path.getmtime) if aside else path
+    nnx.update(model, _checkpointer().restore(path, target))
 
 
 def load_trained_parameters(model: CausalLM, directory: str, base: dict | None = None) -> None:

@@ -318,7 +318,10 @@ def test_a_kill_inside_save_trained_leaves_a_run_that_resumes(tiny_source, corpu
                   cwd=tmp_path)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     assert not (run / "trainable").exists() and glob.glob(str(run / ".trainable.linjax-old-*"))
+    assert json.loads((run / "linjax.json").read_text())["steps"] == 2
+    before_the_kill = linjax.load(str(run))[0]  # the earlier parameters, set aside, with their manifest
     resumed = train.run(config("killed", 3), resume=True, progress=False)  # the earlier one comes back first
+    assert any(not np.array_equal(a, b) for a, b in zip(trainable_leaves(before_the_kill), trainable_leaves(resumed)))
     assert leftovers(run) == []
     assert_same_parameters(resumed, reference)
     assert_same_parameters(linjax.load(str(run))[0], reference)
