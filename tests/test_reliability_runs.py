@@ -351,8 +351,9 @@ def test_a_kill_inside_the_export_swap_is_undone_by_the_next_export(tiny_source,
     assert snapshot(out) == before and leftovers(tmp_path) == []
 
 
-def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_resume_equals_an_uninterrupted_run(
-        tiny_source, corpus, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_a_checkpoint_at_the_step_boundary_and_resume_equals_an_uninterrupted_run(
+        signum, tiny_source, corpus, tmp_path, monkeypatch, capsys):
     def config(name):  # no checkpoint of its own before the end: the one at step 2 is the signal's
         return experiment(tmp_path / name, tiny_source, corpus, steps=4, warmup_steps=0, checkpoint_every=10)
 
@@ -361,22 +362,22 @@ def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_resume_equals_an_un
     _write_toml(config_path, config("stopped"))
     from linjax.train import sharding
 
-    put_batch, steps = sharding.put_batch, []
+    put_batch, steps, handler = sharding.put_batch, [], signal.getsignal(signum)
 
     def signalled_in_step_2(*args):  # called once per training step, as it starts
         steps.append(1)
         if len(steps) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
         return put_batch(*args)
 
     monkeypatch.setattr(sharding, "put_batch", signalled_in_step_2)
     status, _, err = run_cli(["train", config_path, "--no-progress"], capsys)
     monkeypatch.setattr(sharding, "put_batch", put_batch)
-    assert status == 128 + signal.SIGTERM, err
+    assert status == 128 + signum, err  # 143 for SIGTERM, 130 for SIGINT
     assert len(steps) == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "stopped by SIGTERM at step 2" in err and "--resume" in err
+    assert f"stopped by {signal.Signals(signum).name} at step 2" in err and "--resume" in err
     assert sorted(os.listdir(tmp_path / "stopped" / "checkpoints")) == ["2"]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
+    assert signal.getsignal(signum) is handler  # the run's handler is gone with it
     resumed = train.run(config("stopped"), resume=True, progress=False)
     assert_same_parameters(resumed, reference)
 
