@@ -10,6 +10,7 @@ beside its place and swaps it in, so parameters and manifest are always replaced
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -18,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.config import ModelConfig
-from linjax.convert.hf import write_directory
+from linjax import watchdog
+from linjax.convert.hf import recover_interrupted_swap, swap_in, write_directory
 from linjax.files import write_json
 from linjax.layers import Trainable
 from linjax.linearize import LinearizeConfig, linearize
@@ -61,24 +63,45 @@ def write_checkpoint_files(model: CausalLM, directory: str, tokenizer=None) -> N
     write_json(os.path.join(directory, MANIFEST), manifest)
 
 
-def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: str) -> str:
+def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: str, steps: int | None = None,
+                 inputs: dict | None = None) -> str:
     """A finished training run: only the trained parameters, plus where the frozen base comes from.
 
     `linjax.load(directory)` loads `base_source`, linearizes it with the saved
     settings and puts the trained parameters in; the frozen weights are not
-    written again (they are bit-identical to the base's).
+    written again (they are bit-identical to the base's). The manifest records the
+    run's length (`steps`) and its base model's fingerprint (`inputs`, see
+    linjax.fingerprint). `trainable/` is written whole beside its place and swapped in
+    (`hf.recover_interrupted_swap` puts an earlier one back after a kill inside the
+    swap), then the manifest is written: a kill or a full disk at any point leaves the
+    earlier parameters or the new ones, never none.
     """
     directory = os.path.abspath(directory)
     if os.path.exists(base_source):
         base_source = os.path.abspath(base_source)
+    target = os.path.join(directory, "trainable")
+    # The same name on every process of a multi-process save (orbax writes it together).
+    staging = os.path.join(directory, ".trainable.linjax-new-save")
+    if jax.process_index() == 0:
+        recover_interrupted_swap(target)  # also removes a staging folder a killed save left
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("linjax save_trained: staging cleared")
     checkpointer = _checkpointer()  # every process takes part in a multi-process save
-    checkpointer.save(os.path.join(directory, "trainable"), nnx.state(model, Trainable), force=True)
-    checkpointer.wait_until_finished()
-    if jax.process_index() != 0:
-        return directory
+    with watchdog.temporary(staging):
+        checkpointer.save(staging, nnx.state(model, Trainable))
+        checkpointer.wait_until_finished()
+        if jax.process_index() != 0:
+            return directory
+        swap_in(staging, target)
     manifest = {"format_version": FORMAT_VERSION, "kind": "trained", "base_source": base_source,
                 "dtype": str(jnp.dtype(dtype)), "model_config": model.config.to_hf(),
                 "linearize": model.linearize_config.to_dict()}
+    if steps is not None:
+        manifest["steps"] = steps
+    if inputs is not None:
+        manifest["inputs"] = inputs
     write_json(os.path.join(directory, MANIFEST), manifest)
     return directory
 
@@ -103,12 +126,18 @@ def trained_model(base: CausalLM, directory: str, manifest: dict) -> CausalLM:
 def _restore_trainable(model: CausalLM, directory: str) -> None:
     target = _on_this_process(nnx.state(model, Trainable))
     # orbax takes absolute paths only; a run directory is often given relative to the working directory.
-    nnx.update(model, _checkpointer().restore(os.path.join(os.path.abspath(directory), "trainable"), target))
+    path = os.path.join(os.path.abspath(directory), "trainable")
+    if not os.path.exists(path):  # a save killed inside its swap: the earlier parameters, set aside, match
+        aside = glob.glob(os.path.join(os.path.abspath(directory), ".trainable.linjax-old-*"))  # the manifest
+        path = max(aside, key=os.path.getmtime) if aside else path
+    nnx.update(model, _checkpointer().restore(path, target))
 
 
-def load_trained_parameters(model: CausalLM, directory: str) -> None:
+def load_trained_parameters(model: CausalLM, directory: str, base: dict | None = None) -> None:
     """Put a finished training run's parameters into `model`, linearized the same way on the same
-    base (a later stage starting from an earlier one); a mismatch is a ValueError naming it."""
+    base (a later stage starting from an earlier one); a mismatch is a ValueError naming it. `base`:
+    the fingerprint of `model`'s base (`linjax.fingerprint.model_fingerprint`), compared with the one
+    the run recorded."""
     path = os.path.join(os.path.abspath(directory), MANIFEST)
     if not os.path.exists(path):
         raise ValueError(f"{directory} is not a finished training run (no {MANIFEST}); finish it first, or "
@@ -120,6 +149,11 @@ def load_trained_parameters(model: CausalLM, directory: str) -> None:
                          "takes a run directory written by `linjax train`")
     if model.config != ModelConfig.from_hf(manifest["model_config"]):
         raise ValueError(f"{directory} was trained on another base model than this run's")
+    recorded = (manifest.get("inputs") or {}).get("model")
+    if base is not None and recorded:  # the same architecture is not yet the same weights
+        from linjax import fingerprint
+
+        fingerprint.check({"model": recorded}, {"model": base}, directory, "starting from its parameters")
     theirs = LinearizeConfig.from_saved(manifest["linearize"]).to_dict()
     ours = model.linearize_config.to_dict()
     differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in ("kernel", "chunk"))

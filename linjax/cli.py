@@ -29,12 +29,13 @@ import typing
 import jax.numpy as jnp
 
 import linjax
-from linjax import hugepages, pipeline, train, watchdog
+from linjax import fingerprint, hugepages, pipeline, train, watchdog
 from linjax.arguments import non_negative_float, non_negative_int
 from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.convert.hf import check_export_directory, write_directory
 from linjax.eval import latency
 from linjax.eval.cli import add_eval_parser
+from linjax.files import WriterBusy, writer_lock
 from linjax.generate import generate
 from linjax.linearize import ADAPTERS, COMBINES, FLA_DEFAULT_SCALE, KERNELS, MIXERS, LinearizeConfig, mixer_names
 from linjax.train.sharding import maybe_initialize_distributed
@@ -53,6 +54,11 @@ def describe_error(err: BaseException) -> str:
 def _convert(args):
     start = time.perf_counter()
     out = check_export_directory(args.out, source=args.source)  # before the slow load
+    with writer_lock(out):  # from before the load: a second writer stops at once, not after it
+        _convert_locked(args, out, start)
+
+
+def _convert_locked(args, out, start):
     model, tokenizer = linjax.load(args.source, dtype=args.dtype)
     written = []
 
@@ -127,9 +133,10 @@ def _linearize(args):
     settings = {field.name: getattr(args, field.name) for field in dataclasses.fields(LinearizeConfig)}
     config = LinearizeConfig(**{**settings, "keep_full_attention": parse_keep(args.keep_full_attention)})
     check_export_directory(args.out, source=args.source)  # before the slow load
-    model, tokenizer = linjax.load(args.source, dtype=args.dtype)
-    model = linjax.linearize(model, config, seed=args.seed)
-    save_checkpoint(model, args.out, tokenizer)
+    with writer_lock(args.out):
+        model, tokenizer = linjax.load(args.source, dtype=args.dtype)
+        model = linjax.linearize(model, config, seed=args.seed)
+        save_checkpoint(model, args.out, tokenizer)
     names = mixer_names(model)
     print(f"linearized {args.source}: {names.count(args.mechanism)}/{len(names)} layers {args.mechanism}, "
           f"window {config.window}, sinks {config.sinks}, adapter {config.adapter}; "
@@ -138,8 +145,9 @@ def _linearize(args):
 
 def _export(args):
     check_export_directory(args.out, source=args.source)  # before the slow load
-    model, tokenizer = linjax.load(args.source)
-    out = linjax.save_hf(model, args.out, tokenizer)
+    with writer_lock(args.out):
+        model, tokenizer = linjax.load(args.source)
+        out = linjax.save_hf(model, args.out, tokenizer)
     if model.linearize_config is None:
         how = f"{model.config.architecture}: AutoModelForCausalLM.from_pretrained(DIR)"
     else:
@@ -191,9 +199,10 @@ def _train(args):
     if _reraised_by_orbax not in absl_logger.filters:
         absl_logger.addFilter(_reraised_by_orbax)
     try:
-        train.run(config, resume=args.resume, progress=not args.no_progress)
+        train.run(config, resume=args.resume, progress=not args.no_progress,
+                  allow_changed_inputs=args.allow_changed_inputs, load_finished=False)
     except OSError as err:
-        if isinstance(err, (FileNotFoundError, FileExistsError)):
+        if isinstance(err, (FileNotFoundError, FileExistsError, WriterBusy)):
             raise
         # The other writes of the failed save are still running: let them end before the interpreter
         # shuts down under them (which prints their tracebacks).
@@ -211,7 +220,7 @@ def _train(args):
 
 def _run(args):
     config = train.load_experiment(args.config, args.set, args.include)
-    report = pipeline.run(config, watchdog_seconds=args.watchdog)
+    report = pipeline.run(config, watchdog_seconds=args.watchdog, allow_changed_inputs=args.allow_changed_inputs)
     print(f"report → {report}")
 
 
@@ -229,6 +238,12 @@ class _PrintVersion(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"linjax {linjax.__version__} from {os.path.dirname(linjax.__file__)}")
         parser.exit()
+
+
+def add_allow_changed_inputs(parser) -> None:
+    parser.add_argument("--allow-changed-inputs", action="store_true",
+                        help="go on although the base model, tokenizer or training data differ from what the run "
+                             f"recorded (any command: {fingerprint.ALLOW_ENV}=1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a setting, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
                    help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint "
+                   "(a finished run: nothing to do, or extend it to a larger train.steps)")
+    add_allow_changed_inputs(p)
     p.add_argument("--no-progress", action="store_true")
     watchdog.add_argument(p)
     p.set_defaults(func=_train, watched="linjax train")
@@ -274,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a setting, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
                    help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
+    add_allow_changed_inputs(p)
     watchdog.add_argument(p)
     p.set_defaults(func=_run)
 
@@ -312,6 +330,9 @@ def main(argv=None):
     except (OSError, ValueError) as err:  # bad input, a missing file, a full disk: one line, no traceback
         print(f"linjax: error: {describe_error(err)}", file=sys.stderr)
         sys.exit(USER_ERROR)
+    except train.Stopped as stopped:  # SIGTERM / SIGINT in training: a checkpoint at the step boundary, then out
+        print(f"linjax: {stopped}", file=sys.stderr)
+        sys.exit(128 + stopped.signum)  # the shell's status for "ended by this signal": the run is not done
 
 
 if __name__ == "__main__":

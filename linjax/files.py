@@ -3,6 +3,8 @@
 Every file linjax writes (results, reports, plots, manifests, metrics) goes through `atomic_file`:
 the content is written to a temporary file beside the target, flushed to disk, and renamed over
 the target, so a reader, a crash or a full disk sees the old file or the new one, never a part.
+An output that one process writes at a time (a run directory, an export, an evaluation's folder)
+is guarded by `writer_lock`: a second writer stops with one line naming the first one's pid.
 
 Documents: `.jsonl` (one record per line), `.json` (a record, or a list of records), anything else
 (`.txt`, wikitext's `.raw`) one document per file. A record's text is its text field; Alpaca-style
@@ -12,6 +14,7 @@ records (`instruction`, `input`, `output`) are joined into one document.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import uuid
@@ -93,3 +96,70 @@ def read_file_documents(path: str, text_field: str = "text") -> list[str]:
             data = json.load(f)
             return [record_text(r, text_field, path) for r in (data if isinstance(data, list) else [data])]
         return [f.read()]
+
+
+class WriterBusy(BlockingIOError):
+    """Another process is writing the same output; the message names it and its pid."""
+
+
+_held: dict[str, int] = {}  # lock files this process holds → how many nested `writer_lock`s hold each
+
+
+def lock_path(target: str) -> str:
+    """The lock file of an output (a directory or a file): beside it, so that it survives the output
+    being swapped for a new one, and never shows up among the output's own entries."""
+    parent, name = os.path.split(os.path.abspath(target))
+    return os.path.join(parent, f".{name}.linjax-lock")
+
+
+@contextlib.contextmanager
+def writer_lock(target: str, what: str = "", wait: bool = False):
+    """One writer at a time for `target`: an exclusive `fcntl.flock` on `lock_path(target)`, held
+    until the block ends (or the process dies: the kernel releases it, so a killed writer never
+    leaves a stale lock). Another process holding it: `WriterBusy` naming its pid, or with `wait`,
+    block until it is done. Re-entrant within a process (a `linjax run` stage that trains holds
+    the run directory's lock once). The lock file is removed on release."""
+    import fcntl
+
+    path = lock_path(target)
+    if path in _held:
+        _held[path] += 1
+        try:
+            yield
+        finally:
+            _held[path] -= 1
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise WriterBusy(errno.EAGAIN, f"{what or os.path.abspath(target)} is being written by another "
+                                           f"process (pid {holder or 'unknown'}, lock {path}); wait for it to "
+                                           "finish or stop it, then run the command again") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The holder before us may have removed the file after we opened it: then we locked a file that
+        # no longer has the name, and must lock the one that does.
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held[path] = 1
+        yield
+    finally:
+        _held.pop(path, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)  # while still locked, so no one locks the removed file and keeps it
+        os.close(fd)

@@ -26,12 +26,13 @@ import os
 import time
 
 import linjax
-from linjax import train, watchdog
+from linjax import fingerprint, train, watchdog
 from linjax.eval import approx, lm_eval_bridge, ruler
 from linjax.eval.data import data_dir, data_file
 from linjax.eval.perplexity import perplexity, token_windows
 from linjax.eval.report import write_report
-from linjax.files import write_json
+from linjax.files import write_json, writer_lock
+from linjax.train.loop import run_history
 from linjax.train.config import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
@@ -92,8 +93,8 @@ def _convert(config, run_dir):
 
 
 def _train(config, run_dir):
-    resume = os.path.isdir(os.path.join(run_dir, "checkpoints"))
-    train.run(config, resume=resume)
+    resume = bool(run_history(run_dir))  # a training this run started before (finished: nothing to do)
+    train.run(config, resume=resume, load_finished=False)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     speeds = sorted(r["tokens_per_s"] for r in records[1:]) or [records[0]["tokens_per_s"]]
@@ -199,14 +200,39 @@ _RUNNERS = {"convert": _convert, "train": _train, "perplexity": _perplexity, "ap
             "lm_eval": _lm_eval, "ruler": _ruler, "report": _report}
 
 
-def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_SECONDS) -> str:
+def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_SECONDS,
+        allow_changed_inputs: bool = False) -> str:
     """Runs (or finishes) every stage of `config` (an ExperimentConfig); returns report.md's path.
     A stage that makes no progress for `watchdog_seconds` ends the process with an error naming
-    it (None or 0: never); started again, the run resumes from the last finished stage."""
+    it (None or 0: never); started again, the run resumes from the last finished stage. One
+    process at a time runs the stages of a run directory (`writer_lock`); one whose base model,
+    tokenizer or training data changed since the run recorded them is refused unless
+    `allow_changed_inputs` (`linjax.fingerprint`)."""
     run_dir = os.path.abspath(config.run_dir)
+    with writer_lock(run_dir, f"the run {run_dir}"), fingerprint.changes_allowed(allow_changed_inputs):
+        return _run_stages(config, run_dir, log, watchdog_seconds)
+
+
+def _check_inputs(config, run_dir: str, trained: bool) -> None:
+    """Finished stages depend on the inputs the run recorded: the same base model and tokenizer must be
+    there now, and while training is unfinished, the same data."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recorded = json.load(f).get("inputs")
+    if recorded:
+        current = {"model": fingerprint.model_fingerprint(config.model.source)}
+        if not trained:
+            current["data"] = fingerprint.data_manifest(config.data)
+        fingerprint.check(recorded, current, run_dir, "going on with its stages")
+
+
+def _run_stages(config, run_dir: str, log, watchdog_seconds) -> str:
     wanted = [s for s in STAGES if s in ("convert", "train", "report") or s in config.eval.run]
     settings = {stage: stage_settings(config, stage, wanted) for stage in wanted}
     done = _check_finished_stages(run_dir, wanted, settings)
+    _check_inputs(config, run_dir, trained="train" in done)
     os.makedirs(os.path.join(run_dir, "stages"), exist_ok=True)
     for stage in wanted:
         if stage in done:

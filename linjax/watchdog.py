@@ -14,7 +14,8 @@ resumes from its last finished stage when started again.
             watchdog.progress()
 
 `seconds` of None or ≤ 0 turns the watchdog off. Compilation counts as no progress, so the
-limit must exceed the longest compile of the stage (minutes for a large model).
+limit must exceed the longest compile of the stage (minutes for a large model). Temporary files
+and folders registered with `temporary(path)` are removed before the process ends.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import faulthandler
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -41,6 +43,32 @@ def progress() -> None:
     _last_progress = time.monotonic()
 
 
+_temporaries: set[str] = set()  # files and folders to remove if the watchdog ends the process
+
+
+@contextlib.contextmanager
+def temporary(path: str):
+    """Marks `path` (a temporary file or folder, e.g. an export made only to be evaluated) for removal
+    should the watchdog end the process inside the block: `os._exit` runs no `finally` and no
+    `TemporaryDirectory` cleanup, so without this a stalled stage would leave it behind."""
+    path = os.path.abspath(path)
+    _temporaries.add(path)
+    try:
+        yield path
+    finally:
+        _temporaries.discard(path)
+
+
+def remove_temporaries() -> None:
+    for path in list(_temporaries):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    _temporaries.clear()
+
+
 def _stalled(stage: str, seconds: float, hint: str) -> None:
     message = (f"\nerror: {stage} made no progress for {seconds:.0f} s, so the watchdog stopped it "
                f"(a deadlock or a stuck device call; the stacks of every thread follow). {hint}\n")
@@ -48,6 +76,7 @@ def _stalled(stage: str, seconds: float, hint: str) -> None:
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
+    remove_temporaries()
     os._exit(EXIT_STATUS)
 
 

@@ -34,7 +34,7 @@ def test_resume_refuses_a_changed_experiment_and_records_a_longer_run(tiny_sourc
             train.run(other, resume=True, progress=False)
         assert names in str(err.value) and "\n" not in str(err.value)
         assert stored(run_dir) == started  # the record is untouched
-    with pytest.raises(ValueError, match="below the step of the last checkpoint"):
+    with pytest.raises(ValueError, match="train.steps=1 is below the"):
         train.run(make(steps=1), resume=True, progress=False)
 
     # A run recorded before linjax had a setting used its default: the same experiment.

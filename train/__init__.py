@@ -6,13 +6,16 @@
 
 from linjax.train import loop
 from linjax.train.config import ExperimentConfig, load_experiment
+from linjax.train.loop import Stopped
 
 
-def run(config, resume: bool = False, progress: bool = True):
-    """Trains per `config` (an ExperimentConfig or a TOML path); returns the trained model."""
+def run(config, resume: bool = False, progress: bool = True, allow_changed_inputs: bool = False,
+        load_finished: bool = True):
+    """Trains per `config` (an ExperimentConfig or a TOML path); returns the trained model (see `loop.run`)."""
     if isinstance(config, str):
         config = load_experiment(config)
-    return loop.run(config, resume=resume, progress=progress)
+    return loop.run(config, resume=resume, progress=progress, allow_changed_inputs=allow_changed_inputs,
+                    load_finished=load_finished)
 
 
-__all__ = ["ExperimentConfig", "load_experiment", "run"]
+__all__ = ["ExperimentConfig", "Stopped", "load_experiment", "run"]

@@ -26,7 +26,7 @@ from linjax.files import read_file_documents, record_text
 _SUFFIXES = (".txt", ".jsonl", ".json")
 
 
-def _files(paths) -> list[str]:
+def training_files(paths) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
@@ -46,7 +46,7 @@ def _files(paths) -> list[str]:
 
 def read_documents(paths, text_field: str = "text") -> list[str]:
     """All non-empty documents of the given files and folders, in a fixed order."""
-    documents = [d for path in _files(paths) for d in read_file_documents(path, text_field) if d.strip()]
+    documents = [d for path in training_files(paths) for d in read_file_documents(path, text_field) if d.strip()]
     if not documents:
         raise ValueError(f"no non-empty documents in {list(paths)}")
     return documents

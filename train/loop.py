@@ -18,24 +18,38 @@ records two experiments. A kill at any moment, a checkpoint save included,
 loses only the steps since the last completed checkpoint: orbax writes each
 checkpoint to a temporary directory and renames it when complete, and a
 resumed run drops the metrics logged after that checkpoint.
+
+A run directory belongs to one run, written by one process at a time (a lock
+beside it, `linjax.files.writer_lock`). A start at step 0 where a run already
+left anything (`RUN_HISTORY`) is refused; `resume=True` on a finished run
+changes nothing, and with a larger `train.steps` continues it from its last
+checkpoint. The run records fingerprints of its base model, tokenizer and data
+(`linjax.fingerprint`) and refuses to resume on changed ones. SIGTERM or SIGINT
+stops it at the next step boundary with a checkpoint of that step saved
+(`Stopped`; `linjax train` then exits with 128 + the signal's number).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
 import linjax
-from linjax import watchdog
-from linjax.convert.checkpoint import load_trained_parameters, save_trained
-from linjax.files import write_json, write_text
+from linjax import fingerprint, watchdog
+from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_trained
+from linjax.convert.hf import recover_interrupted_swap
+from linjax.files import write_json, write_text, writer_lock
 from linjax.layers import Trainable
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
 from linjax.train import sharding
@@ -134,23 +148,69 @@ def _truncate_metrics(path: str, last_step: int):
     write_text(path, "".join(kept))
 
 
-def _run_record(config, run_dir: str, step: int) -> dict:
-    """config.json for a run (re)starting at `step`: the experiment, and its history of starts and
-    resumptions. A resumption whose settings change the experiment is refused (ValueError)."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    record = config.to_dict()
+# What a run leaves in its directory: any of them there means a run was started in it.
+RUN_HISTORY = ("config.json", "metrics.jsonl", "checkpoints", "trainable", MANIFEST)
+
+
+def run_history(run_dir: str) -> list[str]:
+    """The entries of `RUN_HISTORY` that `run_dir` holds (an empty checkpoints/ folder does not count)."""
+    found = []
+    for name in RUN_HISTORY:
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
+            found.append(name)
+    return found
+
+
+def finished_steps(run_dir: str) -> int | None:
+    """How many steps a finished run (`save_trained`'s manifest and parameters) trained; None if it has
+    not finished. Runs saved before the manifest recorded it: the last step of metrics.jsonl."""
+    try:
+        with open(os.path.join(run_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if manifest.get("kind") != "trained" or not os.path.isdir(os.path.join(run_dir, "trainable")):
+        return None
+    if "steps" in manifest:
+        return int(manifest["steps"])
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return max(json.loads(line)["step"] for line in f if line.strip())
+    return None
+
+
+def _stored_record(run_dir: str) -> dict | None:
     path = os.path.join(run_dir, "config.json")
-    if step == 0 or not os.path.exists(path):  # nothing trained yet: a fresh start
-        return {**record, "history": [{"event": "start", "time": now, "steps": config.train.steps}]}
+    if not os.path.exists(path):
+        return None
     with open(path) as f:
-        stored = json.load(f)
-    history = stored.pop("history", [])
+        return json.load(f)
+
+
+def _refuse_other_settings(stored: dict, record: dict, run_dir: str) -> None:
+    stored = {k: v for k, v in stored.items() if k not in ("history", "inputs")}
     changes = setting_changes(stored, record, ignore=OPERATIONAL)
     if changes:
         raise ValueError(f"{run_dir} was started with other settings: {describe_changes(changes)}; resuming would "
                          "mix two experiments in one run. Resume with the original settings, or train the new "
                          "ones in a new run_dir (only train.steps, checkpoint_every, keep_checkpoints, mesh_*, remat, loss_chunk, "
                          "linearize.kernel/chunk and [eval] may change on --resume)")
+
+
+def _run_record(config, run_dir: str, step: int, inputs: dict) -> dict:
+    """config.json for a run (re)starting at `step`: the experiment, its inputs' fingerprints, and its
+    history of starts and resumptions. A resumption whose settings change the experiment, or whose
+    inputs changed (unless allowed), is refused (ValueError)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    record = config.to_dict()
+    stored = _stored_record(run_dir)
+    if step == 0 or stored is None:  # nothing trained yet: a fresh start
+        return {**record, "inputs": inputs,
+                "history": [{"event": "start", "time": now, "steps": config.train.steps}]}
+    history = stored.pop("history", [])
+    _refuse_other_settings(stored, record, run_dir)
+    changed_inputs = fingerprint.check(stored.pop("inputs", None), inputs, run_dir, "resuming it")
     if config.train.steps < step:
         raise ValueError(f"train.steps={config.train.steps} is below the step of the last checkpoint in {run_dir} "
                          f"({step}); resume with train.steps ≥ {step}")
@@ -158,29 +218,123 @@ def _run_record(config, run_dir: str, step: int) -> dict:
     changed = setting_changes(stored, record, ignore=("eval",))  # operational changes, recorded
     if changed:
         entry["changed"] = {k: list(v) for k, v in changed.items()}
-    return {**record, "history": history + [entry]}
+    if changed_inputs:
+        entry["inputs_changed"] = changed_inputs
+    return {**record, "inputs": inputs, "history": history + [entry]}
 
 
-def run(config, resume: bool = False, progress: bool = True):
-    """Trains as `config` (an ExperimentConfig) says; returns the trained model."""
+def _has_checkpoint(run_dir: str) -> bool:
+    folder = os.path.join(run_dir, "checkpoints")  # orbax names a step's folder by its number once committed
+    return os.path.isdir(folder) and any(n.isdigit() for n in os.listdir(folder))
+
+
+def _finished_as_asked(config, run_dir: str, finished: int) -> bool:
+    """Whether a finished run is already what `config` asks for (then nothing is written, not even an
+    empty checkpoints/ folder, and its inputs are not needed: loading it checks its base model); a
+    ValueError if it cannot become that by training on (other settings, fewer steps, or more steps
+    with no checkpoint left to continue from)."""
+    _refuse_other_settings(_stored_record(run_dir) or {}, config.to_dict(), run_dir)
+    steps = config.train.steps
+    if steps < finished:
+        raise ValueError(f"train.steps={steps} is below the {finished} steps {run_dir} finished; resume with "
+                         f"train.steps ≥ {finished}")
+    if steps == finished:
+        if jax.process_index() == 0:
+            print(f"{run_dir} is finished ({finished} steps); nothing to do (raise train.steps to extend it)",
+                  flush=True)
+        return True
+    if not _has_checkpoint(run_dir):
+        raise ValueError(f"{run_dir} finished at {finished} steps and keeps no checkpoint to continue from (its "
+                         f"checkpoints/ were removed), so it cannot be extended to {steps}; train the longer run "
+                         "in a new run_dir")
+    return False
+
+
+class Stopped(Exception):
+    """Training stopped on a signal at a step boundary, its checkpoint saved."""
+
+    def __init__(self, signum: int, step: int, run_dir: str):
+        self.signum, self.step = signum, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; its checkpoint is saved in "
+                         f"{run_dir}: continue with --resume")
+
+
+class _StopRequests:
+    """SIGTERM (a preemption, a scheduler's time limit) and SIGINT (Ctrl-C) while training ask it to stop
+    at the next step boundary instead of at once. A second signal acts as usual (ends the process)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python runs handlers there only
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        for s, handler in self.previous.items():  # the next one is not caught
+            signal.signal(s, handler)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def requested(self) -> int | None:
+        """The signal that asked to stop, agreed by every process (they must stop at the same step)."""
+        if jax.process_count() == 1:
+            return self.signum
+        from jax.experimental import multihost_utils
+
+        signum = int(np.max(multihost_utils.process_allgather(np.int32(self.signum or 0))))
+        return signum or None
+
+
+def run(config, resume: bool = False, progress: bool = True, allow_changed_inputs: bool = False,
+        load_finished: bool = True):
+    """Trains as `config` (an ExperimentConfig) says; returns the trained model. `resume`: continue the
+    run in `config.run_dir` (a finished one is loaded and returned as it is, or with `load_finished`
+    False, None); `allow_changed_inputs`: resume although the base model, tokenizer or data changed
+    since the run recorded them."""
+    run_dir = os.path.abspath(config.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    # Process 0 speaks for a multi-process run (the others write only their part of each checkpoint).
+    lock = writer_lock(run_dir, f"the run {run_dir}") if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock, fingerprint.changes_allowed(allow_changed_inputs):
+        return _run(config, run_dir, resume, progress, load_finished)
+
+
+def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool):
     import orbax.checkpoint as ocp  # on use only: a few tenths of a second that every `linjax` command would pay
 
     tc = config.train
-    run_dir = os.path.abspath(config.run_dir)
     checkpoint_dir = os.path.join(run_dir, "checkpoints")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        recover_interrupted_swap(os.path.join(run_dir, "trainable"))  # a save_trained killed in its swap
+    history, finished = run_history(run_dir), finished_steps(run_dir)
+    if history and not resume:
+        what = f"a finished run ({finished} steps)" if finished is not None else f"a run ({', '.join(history)})"
+        raise FileExistsError(f"{run_dir} already holds {what}; starting again would overwrite it. Continue it "
+                              "with --resume (a finished run: raise train.steps to extend it), or choose another "
+                              "run_dir")
+    stored = _stored_record(run_dir)
+    if resume and stored is not None and (finished is not None or _has_checkpoint(run_dir)):
+        _refuse_other_settings(stored, config.to_dict(), run_dir)  # first: it names the setting a user changed
+    if finished is not None and _finished_as_asked(config, run_dir, finished):
+        return linjax.load(run_dir, dtype=config.model.dtype)[0] if load_finished else None
+    inputs = fingerprint.run_inputs(config)  # before anything is written: a missing data file stops here
     # A save killed halfway leaves only a temporary directory, which orbax never lists as a step;
     # cleanup_tmp_directories removes it at the next start.
     manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
         max_to_keep=tc.keep_checkpoints, create=True, enable_async_checkpointing=False,
         cleanup_tmp_directories=True))
-    if manager.latest_step() is not None and not resume:
-        raise FileExistsError(f"{run_dir} already has checkpoints (step {manager.latest_step()}); "
-                              "pass --resume to continue it, or choose another run_dir")
     start_step = manager.latest_step() if resume and manager.latest_step() is not None else 0
     try:
-        record = _run_record(config, run_dir, start_step)
+        record = _run_record(config, run_dir, start_step, inputs)
     except ValueError:
         manager.close()
         raise
@@ -192,7 +346,7 @@ def run(config, resume: bool = False, progress: bool = True):
         raise ValueError(f"{config.model.source} has no tokenizer; training needs one to read text")
     model = linjax.linearize(model, config.linearize, seed=tc.seed)
     if tc.init_from and not start_step:  # on resume the checkpoint holds the parameters
-        load_trained_parameters(model, tc.init_from)
+        load_trained_parameters(model, tc.init_from, base=inputs["model"])
     mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
     optimizer, schedule = make_optimizer(tc, config.linearize.adapter)
     graphdef, trainable, opt_state, frozen, runs = place_train_state(model, optimizer, mesh)
@@ -222,8 +376,14 @@ def run(config, resume: bool = False, progress: bool = True):
     try:
         bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,
                    dynamic_ncols=True)
-        with open(metrics_path, "a") as log:
+        with open(metrics_path, "a") as log, _StopRequests() as stop:
             while step < tc.steps:
+                signum = stop.requested()
+                if signum:
+                    if manager.latest_step() != step:
+                        save(step)
+                    bar.close()
+                    raise Stopped(signum, step, run_dir)
                 start = time.perf_counter()
                 batch = sharding.put_batch(dataset.next_batch(), mesh)
                 lr = float(schedule(step))
@@ -246,5 +406,6 @@ def run(config, resume: bool = False, progress: bool = True):
     finally:
         manager.close()  # stops orbax's background threads (many runs may share a process)
     model = nnx.merge(graphdef, unstack_layers(trainable), unstack_layers(frozen))
-    save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype)
+    save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype, steps=tc.steps,
+                 inputs={"model": inputs["model"]})
     return model
