@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from linjax.config import ModelConfig
-from linjax import watchdog
+from linjax import heartbeat
 from linjax.convert.hf import recover_interrupted_swap, swap_in, write_directory
 from linjax.files import write_json
 from linjax.layers import Trainable
@@ -89,7 +89,7 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
 
         multihost_utils.sync_global_devices("linjax save_trained: staging cleared")
     checkpointer = _checkpointer()  # every process takes part in a multi-process save
-    with watchdog.temporary(staging):
+    with heartbeat.temporary(staging):
         checkpointer.save(staging, nnx.state(model, Trainable))
         checkpointer.wait_until_finished()
         if jax.process_index() != 0:

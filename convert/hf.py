@@ -20,7 +20,7 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from linjax import watchdog
+from linjax import heartbeat
 from linjax.config import ModelConfig
 from linjax.files import writer_lock
 from linjax.model import CausalLM, abstract_model
@@ -237,7 +237,7 @@ def write_directory(directory: str, fill) -> str:
         except OSError as err:
             raise _write_error(directory, err) from err
         try:
-            with watchdog.temporary(staging):
+            with heartbeat.temporary(staging):
                 fill(staging)
                 with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
                     json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)

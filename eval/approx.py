@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linjax import watchdog
+from linjax import heartbeat
 from linjax.eval.models import load_model
 from linjax.files import read_file_documents, pyplot, write_figure, write_json
 from linjax.mixers.softmax import SoftmaxAttention
@@ -102,7 +102,7 @@ def approximation_error(teacher, student, sequences: np.ndarray) -> dict:
         total += full.sum((1, 2))
         total_sq += (full ** 2).sum((1, 2))
         count += T * d
-        watchdog.progress()
+        heartbeat.progress()
     variance = total_sq / count - (total / count) ** 2
     mse = sq_err.sum(1) / count
     per_token_mse = sq_err / (len(sequences) * d)  # [L, T]

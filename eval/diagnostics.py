@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linjax import watchdog
+from linjax import heartbeat
 from linjax.eval.approx import approximation_error, token_sequences
 from linjax.eval.models import load_model
 from linjax.files import pyplot, write_figure, write_json
@@ -76,7 +76,7 @@ def diagnostics(model, sequences: np.ndarray, student=None, bins: int = 10) -> d
         c, r = (np.asarray(a, np.float64) for a in measure(keys_of(jnp.asarray(row[None]))))  # [L, Hkv, T]
         c_sum = c if c_sum is None else c_sum + c
         r_sum = r if r_sum is None else r_sum + r
-        watchdog.progress()
+        heartbeat.progress()
     c_mean, r_mean = c_sum / len(sequences), r_sum / len(sequences)
     result = {"num_layers": int(c_mean.shape[0]), "num_seqs": len(sequences), "seq_len": int(sequences.shape[1]),
               "per_token": {"concentration": c_mean.mean((0, 1)).tolist(), "residual": r_mean.mean((0, 1)).tolist()},

@@ -53,7 +53,7 @@ import tempfile
 import time
 
 import linjax
-from linjax import watchdog
+from linjax import heartbeat
 from linjax.eval.models import load_model
 from linjax.files import write_json, write_text, writer_lock
 
@@ -196,7 +196,7 @@ def hf_directory(model_spec: str):
     if tokenizer is None:
         raise ValueError(f"{model_spec} has no tokenizer; lm-eval needs one")
     # A full fp32 export: registered with the watchdog, whose os._exit skips the cleanup below.
-    with tempfile.TemporaryDirectory(prefix="linjax-lm-eval-") as tmp, watchdog.temporary(tmp):
+    with tempfile.TemporaryDirectory(prefix="linjax-lm-eval-") as tmp, heartbeat.temporary(tmp):
         linjax.save_hf(model, os.path.join(tmp, "model"), tokenizer)
         del model
         yield os.path.join(tmp, "model")
@@ -326,7 +326,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         lm_class = SharedPrefixHFLM if share_prefixes else HFLM
         lm = lm_class(pretrained=directory, trust_remote_code=trusted, device=_device(), dtype="float32",
                       batch_size=batch_size)
-        lm.model.register_forward_hook(lambda *_: watchdog.progress())  # each scored batch is progress
+        lm.model.register_forward_hook(lambda *_: heartbeat.progress())  # each scored batch is progress
         for t in tasks:
             if t in seconds:
                 continue

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from linjax import watchdog
+from linjax import heartbeat
 
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int | None = None) -> np.ndarray:
@@ -43,6 +43,6 @@ def perplexity(model, windows: np.ndarray, batch_size: int = 1, progress: bool =
         batch = jnp.asarray(windows[start:start + batch_size])
         total += float(window_nll(state, batch))
         scored += batch.shape[0] * (batch.shape[1] - 1)
-        watchdog.progress()
+        heartbeat.progress()
     nll = total / scored
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": scored, "windows": int(len(windows))}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from linjax import watchdog
+from linjax import heartbeat
 
 
 @functools.lru_cache(maxsize=8)
@@ -90,7 +90,7 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
             token = np.where(finished, eos_token_id, token)
             finished |= token == eos_token_id
         new.append(token)
-        watchdog.progress()
+        heartbeat.progress()
         if on_token is not None:
             on_token(token)
         if finished.all() or i + 1 == max_new_tokens:
@@ -112,5 +112,5 @@ def _prefill(forward, params, tokens, states, chunk: int | None):
     for size in pieces:
         logits, states = forward(params, tokens[:, start:start + size], states)
         start += size
-        watchdog.progress()
+        heartbeat.progress()
     return logits, states

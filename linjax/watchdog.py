@@ -2,20 +2,20 @@
 
 A deadlock inside a compiled program (issue 15: two LAPACK calls waiting on the same XLA:CPU
 thread pool) leaves every thread asleep, so nothing in Python ever runs again and no exception
-can reach the main thread. A watchdog thread therefore watches a heartbeat: long loops (training
-steps, evaluation windows and samples, decode steps, lm-eval forward passes) call `progress()`,
-and when a watched stage has not called it for `seconds`, the watchdog prints which stage stalled
-and the Python stack of every thread, then ends the process with exit status 3. `linjax run`
-resumes from its last finished stage when started again.
+can reach the main thread. A watchdog thread therefore watches a heartbeat (linjax/heartbeat.py):
+long loops (training steps, evaluation windows and samples, decode steps, lm-eval forward
+passes) call `heartbeat.progress()`, and when a watched stage has not called it for `seconds`,
+the watchdog prints which stage stalled and the Python stack of every thread, then ends the
+process with exit status 3. `linjax run` resumes from its last finished stage when started again.
 
     with watchdog.watch("ruler", seconds=1200):
         for sample in samples:
             ...
-            watchdog.progress()
+            heartbeat.progress()
 
 `seconds` of None or ≤ 0 turns the watchdog off. Compilation counts as no progress, so the
 limit must exceed the longest compile of the stage (minutes for a large model). Temporary files
-and folders registered with `temporary(path)` are removed before the process ends.
+and folders registered with `heartbeat.temporary(path)` are removed before the process ends.
 """
 
 from __future__ import annotations
@@ -24,49 +24,20 @@ import contextlib
 import faulthandler
 import math
 import os
-import shutil
 import sys
 import threading
 import time
 
+from linjax import heartbeat
 from linjax.arguments import non_negative_float
 
 DEFAULT_SECONDS = 1200.0
 EXIT_STATUS = 3
 
-_last_progress = time.monotonic()
-
-
-def progress() -> None:
-    """Tell the watchdog that the running stage has advanced (cheap: call it in inner loops)."""
-    global _last_progress
-    _last_progress = time.monotonic()
-
-
-_temporaries: set[str] = set()  # files and folders to remove if the watchdog ends the process
-
-
-@contextlib.contextmanager
-def temporary(path: str):
-    """Marks `path` (a temporary file or folder, e.g. an export made only to be evaluated) for removal
-    should the watchdog end the process inside the block: `os._exit` runs no `finally` and no
-    `TemporaryDirectory` cleanup, so without this a stalled stage would leave it behind."""
-    path = os.path.abspath(path)
-    _temporaries.add(path)
-    try:
-        yield path
-    finally:
-        _temporaries.discard(path)
-
-
-def remove_temporaries() -> None:
-    for path in list(_temporaries):
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-    _temporaries.clear()
+# The heartbeat and the temporary-file registry are core (linjax/heartbeat.py), so that the loops
+# that beat do not import the app; re-exported here for `watchdog.progress()` in scripts.
+progress = heartbeat.progress
+temporary = heartbeat.temporary
 
 
 def _stalled(stage: str, seconds: float, hint: str) -> None:
@@ -76,7 +47,7 @@ def _stalled(stage: str, seconds: float, hint: str) -> None:
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
-    remove_temporaries()
+    heartbeat.remove_temporaries()
     os._exit(EXIT_STATUS)
 
 
@@ -96,7 +67,7 @@ def watch(stage: str, seconds: float | None = DEFAULT_SECONDS, *, hint: str = ""
 
     def guard():
         interval = min(seconds / 10, 5.0)
-        heartbeat, stalled, last_tick = _last_progress, 0.0, time.monotonic()
+        beat, stalled, last_tick = heartbeat.last_progress(), 0.0, time.monotonic()
         while not done.wait(interval):
             now = time.monotonic()
             # Count only time in which this process ran. A tick far later than asked means it was
@@ -105,8 +76,9 @@ def watch(stage: str, seconds: float | None = DEFAULT_SECONDS, *, hint: str = ""
             # for it. A deadlock leaves this thread ticking on time, so it still fires.
             ran = min(now - last_tick, 2 * interval)
             last_tick = now
-            if _last_progress != heartbeat:
-                heartbeat, stalled = _last_progress, min(now - _last_progress, ran)
+            latest = heartbeat.last_progress()
+            if latest != beat:
+                beat, stalled = latest, min(now - latest, ran)
             else:
                 stalled += ran
             if stalled > seconds:

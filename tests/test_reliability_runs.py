@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import linjax
-from linjax import pipeline, train, watchdog
+from linjax import heartbeat, pipeline, train, watchdog
 from linjax.files import WriterBusy, lock_path, writer_lock
 from linjax.layers import Trainable
 from tests.conftest import ROOT
@@ -386,10 +386,10 @@ def test_the_watchdog_removes_the_temporary_files_it_knows_of_before_ending_the_
     export = tmp_path / "linjax-lm-eval-x"
     done = python(f"""
         import os, time
-        from linjax import watchdog
+        from linjax import heartbeat, watchdog
         os.makedirs({str(export / "model")!r})
         open({str(export / "model" / "model.safetensors")!r}, "wb").write(b"0" * 1000)
-        with watchdog.temporary({str(export)!r}), watchdog.watch("lm-eval", seconds=1):
+        with heartbeat.temporary({str(export)!r}), watchdog.watch("lm-eval", seconds=1):
             time.sleep(300)
     """, timeout=120)
     assert done.returncode == watchdog.EXIT_STATUS, done.stderr[-2000:]
@@ -405,5 +405,5 @@ def test_lm_eval_registers_its_temporary_export_with_the_watchdog(tiny_source, t
     model, tokenizer = linjax.load(tiny_source)
     save_checkpoint(model, str(run), tokenizer)
     with hf_directory(str(run)) as directory:
-        assert os.path.dirname(directory) in watchdog._temporaries
-    assert watchdog._temporaries == set()
+        assert os.path.dirname(directory) in heartbeat.registered_temporaries()
+    assert heartbeat.registered_temporaries() == set()

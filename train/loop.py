@@ -46,7 +46,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import linjax
-from linjax import fingerprint, watchdog
+from linjax import fingerprint, heartbeat
 from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_trained
 from linjax.convert.hf import recover_interrupted_swap
 from linjax.files import write_json, write_text, writer_lock
@@ -399,7 +399,7 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
                     log.flush()
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
-                watchdog.progress()
+                heartbeat.progress()
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save(step)
         bar.close()
