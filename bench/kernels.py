@@ -67,7 +67,7 @@ if "--gpu" in sys.argv[1:]:  # the GPU benchmark is its own script; forward to i
 
     kernels_gpu.main([a for a in sys.argv[1:] if a != "--gpu"])
     sys.exit()
-from linjax.hugepages import reexec_with_huge_pages  # noqa: E402
+from linjax.app.hugepages import reexec_with_huge_pages  # noqa: E402
 
 if __name__ == "__main__":  # measured with huge pages for XLA's buffers, as the `linjax` command runs
     reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])

@@ -20,14 +20,14 @@ import sys
 # package that transformers probes for at import. The benchmarks import only installed packages.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-from linjax.eval import latency
+from linjax.app import latency_cli
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    latency.add_arguments(parser)
+    latency_cli.add_arguments(parser)
     try:
-        latency.main(parser.parse_args())
+        latency_cli.main(parser.parse_args())
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
 

@@ -29,7 +29,7 @@ import time
 # package that transformers probes for at import. The benchmarks import only installed packages.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-from linjax.hugepages import reexec_with_huge_pages
+from linjax.app.hugepages import reexec_with_huge_pages
 
 if __name__ == "__main__":  # both frameworks measured with huge pages, as the `linjax` command runs
     reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])

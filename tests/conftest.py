@@ -64,8 +64,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not ON_CUDA_MACHINE:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 # pytest-xdist's workers and the tests' subprocesses inherit this environment: they start with
-# transparent huge pages for XLA's fresh buffers, as the `linjax` command does (linjax/hugepages.py).
-from linjax.hugepages import environment_with_huge_pages  # noqa: E402
+# transparent huge pages for XLA's fresh buffers, as the `linjax` command does (linjax/app/hugepages.py).
+from linjax.app.hugepages import environment_with_huge_pages  # noqa: E402
 
 if not ON_CUDA_MACHINE:
     os.environ.update(environment_with_huge_pages() or {})

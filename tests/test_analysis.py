@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import linjax
-from linjax.cli import main
+from linjax.app.cli import main
 from linjax.config import tiny_config
 from linjax.eval import approx, diagnostics, select_layers
 from linjax.mixers.softmax import SoftmaxAttention
@@ -132,7 +132,7 @@ def test_select_layers():
 
 
 def test_include_merges_fragments_before_set(tmp_path):
-    from linjax.cli import build_parser
+    from linjax.app.cli import build_parser
     from linjax.train import load_experiment
 
     experiment = tmp_path / "exp.toml"

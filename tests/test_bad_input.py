@@ -178,7 +178,7 @@ def test_flags_are_range_checked_by_the_parser(argv, capsys):
 
 def test_a_watchdog_of_nan_seconds_is_refused():
     """nan compares false with everything: such a watchdog never fires and its thread spins."""
-    from linjax import watchdog
+    from linjax.app import watchdog
 
     for seconds in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="finite"):

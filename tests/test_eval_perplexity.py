@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 import linjax
-from linjax.cli import main
+from linjax.app.cli import main
 from linjax.eval.perplexity import perplexity, token_windows
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40

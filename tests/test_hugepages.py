@@ -1,4 +1,4 @@
-"""linjax/hugepages.py: the `linjax` command starts with glibc's huge-page tunable, once, and keeps the user's."""
+"""linjax/app/hugepages.py: the `linjax` command starts with glibc's huge-page tunable, once, and keeps the user's."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from linjax.hugepages import TUNABLE, environment_with_huge_pages
+from linjax.app.hugepages import TUNABLE, environment_with_huge_pages
 
 linux_glibc = pytest.mark.skipif(environment_with_huge_pages({}) is None, reason="needs Linux with glibc")
 
@@ -22,7 +22,7 @@ def test_tunable_added_once_and_existing_tunables_kept():
 
 @linux_glibc
 def test_the_linjax_command_starts_again_with_the_tunable(monkeypatch):
-    from linjax import cli
+    from linjax.app import cli
 
     class Replaced(Exception):
         pass
@@ -39,7 +39,7 @@ def test_the_linjax_command_starts_again_with_the_tunable(monkeypatch):
     assert path == sys.executable and args[-4:] == ["eval", "ruler", "--lengths", "1024"]
     code = args[args.index("-c") + 1]
     # The new interpreter starts from this one's first sys.path entry, not the working directory.
-    assert code == f"import sys; sys.path[0] = {os.path.abspath(sys.path[0])!r}; from linjax.cli import main; main()"
+    assert code == f"import sys; sys.path[0] = {os.path.abspath(sys.path[0])!r}; from linjax.app.cli import main; main()"
     assert environ["GLIBC_TUNABLES"] == TUNABLE
     # Started again (the tunable is set), it runs the command instead of replacing itself once more.
     monkeypatch.setenv("GLIBC_TUNABLES", TUNABLE)
@@ -56,7 +56,7 @@ def test_a_subprocess_inherits_it():
 
 
 def test_the_restarted_interpreter_keeps_the_path_flags(monkeypatch):
-    from linjax import hugepages
+    from linjax.app import hugepages
 
     class Flags:
         isolated, ignore_environment, no_user_site, safe_path = 0, 1, 1, 1
@@ -64,6 +64,6 @@ def test_the_restarted_interpreter_keeps_the_path_flags(monkeypatch):
     monkeypatch.setattr(sys, "flags", Flags)
     seen = []
     monkeypatch.setattr(hugepages, "reexec_with_huge_pages", seen.append)
-    hugepages.reexec_module_with_huge_pages("linjax.cli", ["--help"])
+    hugepages.reexec_module_with_huge_pages("linjax.app.cli", ["--help"])
     # -P: nothing goes in front of sys.path, so there is no first entry to restore.
-    assert seen == [["-E", "-s", "-P", "-c", "from linjax.cli import main; main()", "--help"]]
+    assert seen == [["-E", "-s", "-P", "-c", "from linjax.app.cli import main; main()", "--help"]]

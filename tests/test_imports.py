@@ -40,7 +40,7 @@ def package_modules() -> list[str]:
 
 def test_every_module_imports_on_its_own(tmp_path):
     modules = package_modules()
-    assert {"linjax.cli", "linjax.eval.approx", "linjax.convert.checkpoint", "linjax.kernels.gdn"} <= set(modules)
+    assert {"linjax.app.cli", "linjax.eval.approx", "linjax.convert.checkpoint", "linjax.kernels.gdn"} <= set(modules)
     done = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST, *modules], cwd=tmp_path, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

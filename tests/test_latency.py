@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import linjax
-from linjax.cli import build_parser
+from linjax.app.cli import build_parser
 from linjax.config import tiny_config
 from linjax.eval import latency
 from linjax.eval.latency_point import (build_linjax_model, greedy_step_function, kv_cache_bytes, random_states,

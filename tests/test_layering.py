@@ -1,8 +1,11 @@
 """The package's layers, read from the source with `ast`: a lower layer never imports a higher one.
 
-    3  app         linjax.cli, linjax.pipeline: the `linjax` command and `linjax run`
-    2  tasks       linjax.convert, linjax.train, linjax.eval (may import each other)
-    1  core        linjax.* (config, layers, mixers, model, generate, linearize, files, ...)
+    3  app         linjax.app.* (and the linjax.cli shim): the `linjax` command, `linjax run`,
+                   argument types, huge pages, the watchdog thread
+    2  tasks       linjax.convert, linjax.train, linjax.eval, linjax.fingerprint (may import
+                   each other, except that eval never imports train: both read linjax.experiment)
+    1  core        linjax.* (config, experiment, layers, mixers, model, generate, linearize,
+                   files, heartbeat, ...)
     0  kernels     linjax.kernels: pure functions
 
 Every `import` counts, at the top of a file or inside a function, so a lazy import that would
@@ -18,8 +21,10 @@ import os
 
 from tests.test_imports import ROOT, package_modules
 
-APP = ("linjax.cli", "linjax.pipeline")
-TASKS = ("linjax.convert", "linjax.train", "linjax.eval")
+APP = ("linjax.app", "linjax.cli")
+# linjax.fingerprint lives in linjax/ but hashes checkpoints and training files through the converters
+# and train.data, and only train, convert and the app use it: it is a task.
+TASKS = ("linjax.convert", "linjax.train", "linjax.eval", "linjax.fingerprint")
 
 # (importer, imported): upward imports that are part of the design.
 ALLOWED_UPWARD = {
@@ -31,7 +36,7 @@ ALLOWED_UPWARD = {
 
 
 def layer(module: str) -> int:
-    """0 kernels, 1 core, 2 convert/train/eval, 3 the app."""
+    """0 kernels, 1 core, 2 convert/train/eval (and fingerprint), 3 the app."""
     if module == "linjax.kernels" or module.startswith("linjax.kernels."):
         return 0
     if any(module == top or module.startswith(top + ".") for top in APP):
@@ -43,7 +48,7 @@ def layer(module: str) -> int:
 
 def source_path(module: str) -> str:
     """The file of a module of the installed packages (pyproject's package-dir layout)."""
-    folders = {"linjax": "linjax", "linjax.mixers": "linjax/mixers", "linjax.kernels": "kernels",
+    folders = {"linjax": "linjax", "linjax.app": "linjax/app", "linjax.mixers": "linjax/mixers", "linjax.kernels": "kernels",
                "linjax.convert": "convert", "linjax.train": "train", "linjax.eval": "eval"}
     if module in folders:
         return os.path.join(ROOT, folders[module], "__init__.py")
@@ -86,7 +91,7 @@ def upward_imports(module: str, source: str, known: set[str]) -> list[str]:
 def test_no_layer_imports_a_higher_one():
     modules = package_modules()
     known = set(modules)
-    assert {"linjax.cli", "linjax.kernels.swa", "linjax.mixers.sinks_window", "linjax.eval.approx"} <= known
+    assert {"linjax.app.cli", "linjax.app.watchdog", "linjax.kernels.swa", "linjax.mixers.sinks_window", "linjax.eval.approx"} <= known
     problems = []
     for module in modules:
         with open(source_path(module), encoding="utf-8") as f:
@@ -102,7 +107,8 @@ def test_the_check_catches_an_upward_import():
     assert upward_imports("linjax.kernels.gdn", lazy, known) == [
         "linjax.kernels.gdn (layer 0) line 2 imports linjax.model (layer 1)"]
     assert upward_imports("linjax.layers", "from linjax import train\n", known)
-    assert upward_imports("linjax.eval.ruler", "import linjax.cli\n", known)
+    assert upward_imports("linjax.eval.ruler", "import linjax.app.cli\n", known)
+    assert upward_imports("linjax.generate", "from linjax.app import watchdog\n", known)
     assert upward_imports("linjax.mixers.gdn", "from ..kernels import gdn\nfrom ..train import loop\n", known) == [
         "linjax.mixers.gdn (layer 1) line 2 imports linjax.train.loop (layer 2)"]
-    assert not upward_imports("linjax.cli", "from linjax.kernels import gdn\nimport linjax.model\n", known)
+    assert not upward_imports("linjax.app.cli", "from linjax.kernels import gdn\nimport linjax.model\n", known)

@@ -26,7 +26,7 @@ def _experiment(tmp_path, source, evaluations=("perplexity", "approx"), extra=""
 
 
 def _command(config):
-    return [sys.executable, "-m", "linjax.cli", "run", str(config)]
+    return [sys.executable, "-m", "linjax.app.cli", "run", str(config)]
 
 
 def test_run_writes_a_report_and_a_restart_skips_finished_stages(tiny_source, tmp_path):
@@ -111,11 +111,11 @@ def test_export_cli_writes_a_run_directory_that_torch_loads_without_jax(tiny_sou
     import linjax
 
     config = _experiment(tmp_path, tiny_source, evaluations=())
-    result = subprocess.run([sys.executable, "-m", "linjax.cli", "train", str(config)], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "linjax.app.cli", "train", str(config)], cwd=tmp_path,
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "exported"
-    result = subprocess.run([sys.executable, "-m", "linjax.cli", "export", str(tmp_path / "run"), "--out", str(out)],
+    result = subprocess.run([sys.executable, "-m", "linjax.app.cli", "export", str(tmp_path / "run"), "--out", str(out)],
                             cwd=tmp_path, capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "trust_remote_code=True" in result.stdout, result.stderr[-3000:]
     assert {"config.json", "model.safetensors", "modeling_linjax.py", "tokenizer.json"} <= set(os.listdir(out))

@@ -22,7 +22,7 @@ import shutil
 import numpy as np
 import pytest
 
-from linjax.cli import main
+from linjax.app.cli import main
 
 
 def run_cli(argv, capsys):
@@ -309,7 +309,7 @@ def test_bad_numbers_and_lists_are_refused_by_the_parser(argv, option, capsys):
 
 
 def test_the_scale_flag_takes_a_number_or_fla_default(capsys):
-    from linjax.cli import build_parser
+    from linjax.app.cli import build_parser
 
     for text, want in (("1", 1.0), ("0.088", 0.088), ("fla_default", "fla_default")):
         assert build_parser().parse_args(["linearize", "m", "--scale", text, "--out", "o"]).scale == want

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from linjax import pipeline, train
+from linjax import train
+from linjax.app import pipeline
 from tests.test_train import corpus, experiment  # noqa: F401 (corpus is a fixture)
 
 

@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 import linjax
-from linjax import heartbeat, pipeline, train, watchdog
+from linjax import heartbeat, train
+from linjax.app import pipeline, watchdog
 from linjax.files import WriterBusy, lock_path, writer_lock
 from linjax.layers import Trainable
 from tests.conftest import ROOT
@@ -122,7 +123,7 @@ def test_the_documented_resume_of_a_claims_row_changes_nothing(tmp_path):
     copy = tmp_path / "gdn"
     shutil.copytree(row, copy)
     before = everything(copy)
-    done = python("from linjax.cli import main; import sys; main(sys.argv[1:])", "train",
+    done = python("from linjax.app.cli import main; import sys; main(sys.argv[1:])", "train",
                   os.path.join(ROOT, "configs", "claims", "gdn.toml"), "--resume", "--no-progress",
                   "--set", f"run_dir={json.dumps(str(copy))}", cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -293,7 +294,7 @@ def killing_swap_in(new, directory):
     swap_in(new, directory)
 checkpoint.swap_in = killing_swap_in
 
-from linjax.cli import main
+from linjax.app.cli import main
 main(["train", *argv, "--no-progress"])
 """
 
@@ -334,7 +335,7 @@ def killing_rename(src, dst):
     rename(src, dst)
     if ".linjax-old-" in os.path.basename(dst): os.kill(os.getpid(), signal.SIGKILL)
 os.rename = killing_rename
-from linjax.cli import main
+from linjax.app.cli import main
 main(["export", *sys.argv[1:]])
 """
 
@@ -386,7 +387,8 @@ def test_the_watchdog_removes_the_temporary_files_it_knows_of_before_ending_the_
     export = tmp_path / "linjax-lm-eval-x"
     done = python(f"""
         import os, time
-        from linjax import heartbeat, watchdog
+        from linjax import heartbeat
+        from linjax.app import watchdog
         os.makedirs({str(export / "model")!r})
         open({str(export / "model" / "model.safetensors")!r}, "wb").write(b"0" * 1000)
         with heartbeat.temporary({str(export)!r}), watchdog.watch("lm-eval", seconds=1):

@@ -10,7 +10,7 @@ from flax import nnx
 from linjax.eval import ruler
 
 import linjax
-from linjax.cli import main
+from linjax.app.cli import main
 from linjax.linearize import with_budget
 
 

@@ -198,7 +198,7 @@ def test_packing_separates_documents_with_eos_and_survives_resume(corpus, tokeni
 
 
 def _train_command(config_path, *extra):
-    return [sys.executable, "-m", "linjax.cli", "train", str(config_path), "--no-progress", *extra]
+    return [sys.executable, "-m", "linjax.app.cli", "train", str(config_path), "--no-progress", *extra]
 
 
 def _write_toml(path, config):
@@ -246,7 +246,7 @@ async def killing_rename(src, dst):
     return await rename(src, dst)
 async_path.rename = killing_rename
 
-from linjax.cli import main
+from linjax.app.cli import main
 main(["train", *argv, "--no-progress"])
 """
 

@@ -9,7 +9,7 @@ import textwrap
 import threading
 import time
 
-from linjax import watchdog
+from linjax.app import watchdog
 from tests.helpers import python_environment
 
 
@@ -31,7 +31,7 @@ def test_a_stopped_and_resumed_process_is_not_a_stall(tmp_path):
     resumed, goes on: the time it was stopped does not count. A silent stage still stops after."""
     code = """
         import sys, time
-        from linjax import watchdog
+        from linjax.app import watchdog
         with watchdog.watch("busy", 1.0):
             print("ready", flush=True)
             for _ in range(40):  # 4 s, with progress every 0.1 s while running
@@ -71,7 +71,7 @@ def test_a_stalled_linjax_run_stage_exits_with_its_name(tmp_path):
     started = time.monotonic()
     done = _run_python(f"""
         import time
-        from linjax import pipeline
+        from linjax.app import pipeline
         from linjax.train.config import from_dict
 
         pipeline._RUNNERS["convert"] = lambda config, run_dir: {{"stand-in": True}}
@@ -87,7 +87,7 @@ def test_a_stalled_linjax_run_stage_exits_with_its_name(tmp_path):
 
 
 def test_cli_flag_reaches_eval_commands():
-    from linjax.cli import build_parser
+    from linjax.app.cli import build_parser
 
     args = build_parser().parse_args(["eval", "ruler", "m", "--out", "x.json", "--watchdog", "7"])
     assert (args.watched, args.watchdog) == ("linjax eval ruler", 7.0)

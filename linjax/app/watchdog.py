@@ -29,7 +29,7 @@ import threading
 import time
 
 from linjax import heartbeat
-from linjax.arguments import non_negative_float
+from linjax.app.arguments import non_negative_float
 
 DEFAULT_SECONDS = 1200.0
 EXIT_STATUS = 3

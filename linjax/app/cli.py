@@ -5,7 +5,7 @@
     linjax export SOURCE --out DIR        (an HF directory PyTorch loads; linearized: trust_remote_code)
     linjax generate SOURCE --prompt TEXT [--max-new-tokens N] [--chat]
     linjax train CONFIG.toml [--set section.key=value ...] [--resume]
-    linjax eval perplexity|... MODEL ...   (see linjax/eval/cli.py)
+    linjax eval perplexity|... MODEL ...   (see linjax/app/eval_cli.py)
     linjax run CONFIG.toml                 (the whole pipeline to report.md; restartable)
     linjax bench latency [--lengths 1024,...,32768] [--out DIR]   (decode latency and memory vs L)
 
@@ -29,12 +29,12 @@ import typing
 import jax.numpy as jnp
 
 import linjax
-from linjax import fingerprint, hugepages, pipeline, train, watchdog
-from linjax.arguments import non_negative_float, non_negative_int
+from linjax import fingerprint, train
+from linjax.app import hugepages, latency_cli, pipeline, watchdog
+from linjax.app.arguments import non_negative_float, non_negative_int
 from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.convert.hf import check_export_directory, write_directory
-from linjax.eval import latency
-from linjax.eval.cli import add_eval_parser
+from linjax.app.eval_cli import add_eval_parser
 from linjax.files import WriterBusy, writer_lock
 from linjax.generate import generate
 from linjax.linearize import ADAPTERS, COMBINES, FLA_DEFAULT_SCALE, KERNELS, MIXERS, LinearizeConfig, mixer_names
@@ -225,7 +225,7 @@ def _run(args):
 
 
 def _bench_latency(args):
-    latency.main(args)
+    latency_cli.main(args)
 
 
 class _PrintVersion(argparse.Action):
@@ -312,14 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     benches = p.add_subparsers(dest="benchmark", required=True)
     p = benches.add_parser("latency", help="decode latency and peak memory against prompt length, full attention "
                                            "vs linearized (the paper's protocol: batch 8, 16 decode steps)")
-    latency.add_arguments(p)
+    latency_cli.add_arguments(p)
     p.set_defaults(func=_bench_latency)
     return parser
 
 
 def main(argv=None):
     if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
-        hugepages.reexec_module_with_huge_pages("linjax.cli", sys.argv[1:])
+        hugepages.reexec_module_with_huge_pages("linjax.app.cli", sys.argv[1:])
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)

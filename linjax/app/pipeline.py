@@ -26,7 +26,8 @@ import os
 import time
 
 import linjax
-from linjax import fingerprint, train, watchdog
+from linjax import fingerprint, train
+from linjax.app import watchdog
 from linjax.eval import approx, lm_eval_bridge, ruler
 from linjax.eval.data import data_dir, data_file
 from linjax.eval.perplexity import perplexity, token_windows

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import time
 
-from linjax import watchdog
-from linjax.arguments import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
-                              positive_ints)
+from linjax.app import watchdog
+from linjax.app.arguments import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
+                                  positive_ints)
 from linjax.eval import approx, diagnostics, lm_eval_bridge, ruler, select_layers
 from linjax.eval.models import load_model
 from linjax.eval.perplexity import perplexity, token_windows
