@@ -279,7 +279,7 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
     import linjax
     from linjax.scan import layer_runs, stack_layers, unstack_layers
     from linjax.train import sharding
-    from linjax.train.config import ModelSection, TrainSection
+    from linjax.experiment import ModelSection, TrainSection
     from linjax.train.loop import make_optimizer, make_train_step, place_train_state
     from linjax.train.objectives import embedding_floor_loss
 

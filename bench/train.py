@@ -43,7 +43,7 @@ import linjax
 from linjax.files import write_json
 from linjax.scan import layer_runs, run_layers, stack_layers, unstack_layers
 from linjax.train import sharding
-from linjax.train.config import TrainSection
+from linjax.experiment import TrainSection
 from linjax.train.loop import make_optimizer, make_train_step, place_train_state
 from linjax.train.cross_entropy import cross_entropy
 from linjax.train.objectives import next_token_loss

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import linjax
-from linjax.train import load_experiment
+from linjax.experiment import load_experiment
 
 
 def load_model(spec: str, dtype: str = "float32"):

@@ -27,7 +27,7 @@ import linjax
 from linjax.config import tiny_config
 from linjax.model import CausalLM
 from linjax.train import sharding
-from linjax.train.config import REMAT_POLICY, TrainSection
+from linjax.experiment import REMAT_POLICY, TrainSection
 from linjax.train.loop import make_optimizer, make_train_step, place_train_state
 from linjax.train.objectives import embedding_floor_loss
 

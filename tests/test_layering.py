@@ -81,11 +81,26 @@ def imported_modules(source: str, module: str, known: set[str]) -> list[tuple[st
     return found
 
 
+# (importer, imported) packages of one layer that must not import each other: evaluation scores any
+# model and reads experiment files through linjax.experiment, so it never needs training.
+FORBIDDEN_SIDEWAYS = (("linjax.eval", "linjax.train"),)
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def upward_imports(module: str, source: str, known: set[str]) -> list[str]:
-    """Each import in `source` of a higher layer than `module`'s, not in ALLOWED_UPWARD."""
-    return [f"{module} (layer {layer(module)}) line {line} imports {target} (layer {layer(target)})"
-            for target, line in imported_modules(source, module, known)
-            if layer(target) > layer(module) and (module, target) not in ALLOWED_UPWARD]
+    """Each import in `source` of a higher layer than `module`'s, not in ALLOWED_UPWARD, and each
+    import FORBIDDEN_SIDEWAYS."""
+    problems = []
+    for target, line in imported_modules(source, module, known):
+        if layer(target) > layer(module) and (module, target) not in ALLOWED_UPWARD:
+            problems.append(f"{module} (layer {layer(module)}) line {line} imports {target} (layer {layer(target)})")
+        elif any(within(module, a) and within(target, b) for a, b in FORBIDDEN_SIDEWAYS):
+            problems.append(f"{module} line {line} imports {target}: {module.split('.')[1]} never imports "
+                            f"{target.split('.')[1]}")
+    return problems
 
 
 def test_no_layer_imports_a_higher_one():
@@ -101,7 +116,8 @@ def test_no_layer_imports_a_higher_one():
 
 def test_the_check_catches_an_upward_import():
     """The check can fail: a kernel importing the model (even inside a function), the core importing
-    training, and evaluation importing the CLI are each reported; a downward import is not."""
+    training, evaluation importing the CLI or training, and the core importing the app are each
+    reported; a downward import is not."""
     known = set(package_modules())
     lazy = "def f():\n    from linjax.model import CausalLM\n"
     assert upward_imports("linjax.kernels.gdn", lazy, known) == [
@@ -111,4 +127,7 @@ def test_the_check_catches_an_upward_import():
     assert upward_imports("linjax.generate", "from linjax.app import watchdog\n", known)
     assert upward_imports("linjax.mixers.gdn", "from ..kernels import gdn\nfrom ..train import loop\n", known) == [
         "linjax.mixers.gdn (layer 1) line 2 imports linjax.train.loop (layer 2)"]
+    assert upward_imports("linjax.eval.models", "from linjax.train import load_experiment\n", known) == [
+        "linjax.eval.models line 1 imports linjax.train: eval never imports train"]
+    assert not upward_imports("linjax.eval.models", "from linjax.experiment import load_experiment\n", known)
     assert not upward_imports("linjax.app.cli", "from linjax.kernels import gdn\nimport linjax.model\n", known)

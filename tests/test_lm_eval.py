@@ -170,7 +170,7 @@ def test_smollm2_local_tasks(variant, shared_data, tmp_path):
     require_embedded_model()
     model = "smollm2-135m"
     if variant != "original":
-        from linjax.train.config import from_dict
+        from linjax.experiment import from_dict
 
         from linjax import train
 

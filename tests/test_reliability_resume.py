@@ -56,7 +56,7 @@ def test_a_run_from_before_the_scale_default_moved_resumes_only_with_its_scale_p
     """linearize.scale's default moved from FLA's Dk^-1/2 (stored as null) to 1: a run that stored null,
     or was recorded before linjax had the setting, is another experiment under today's default, and
     the refusal says how to keep its scale; `scale = "fla_default"` resumes it."""
-    from linjax.train.config import OPERATIONAL, describe_changes, from_dict, setting_changes
+    from linjax.experiment import OPERATIONAL, describe_changes, from_dict, setting_changes
 
     raw = {"run_dir": "run", "linearize": {"mechanism": "gdn"}}
     today = from_dict(raw).to_dict()

@@ -16,7 +16,7 @@ from flax import nnx
 import linjax
 from linjax import train
 from linjax.layers import Trainable
-from linjax.train.config import from_dict, load_experiment
+from linjax.experiment import from_dict, load_experiment
 from linjax.train.data import LocalDocuments, PackedTextDataset
 from tests.conftest import ROOT
 from tests.helpers import missing

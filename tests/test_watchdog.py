@@ -72,7 +72,7 @@ def test_a_stalled_linjax_run_stage_exits_with_its_name(tmp_path):
     done = _run_python(f"""
         import time
         from linjax.app import pipeline
-        from linjax.train.config import from_dict
+        from linjax.experiment import from_dict
 
         pipeline._RUNNERS["convert"] = lambda config, run_dir: {{"stand-in": True}}
         pipeline._RUNNERS["train"] = lambda config, run_dir: time.sleep(300)   # hangs

@@ -5,7 +5,7 @@
 """
 
 from linjax.train import loop
-from linjax.train.config import ExperimentConfig, load_experiment
+from linjax.experiment import ExperimentConfig, load_experiment
 from linjax.train.loop import Stopped
 
 

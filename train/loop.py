@@ -53,7 +53,7 @@ from linjax.files import write_json, write_text, writer_lock
 from linjax.layers import Trainable
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
 from linjax.train import sharding
-from linjax.train.config import OPERATIONAL, describe_changes, setting_changes
+from linjax.experiment import OPERATIONAL, describe_changes, setting_changes
 from linjax.train.data import build_dataset
 from linjax.train.objectives import objective_loss
 

@@ -34,13 +34,13 @@ from linjax.eval.perplexity import perplexity, token_windows
 from linjax.eval.report import write_report
 from linjax.files import write_json, writer_lock
 from linjax.train.loop import run_history
-from linjax.train.config import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
+from linjax.experiment import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
 
 
 # The config settings each stage's result depends on (sections, keys or key prefixes, as
-# `train.config.matches` reads them). Operational settings (how often training saves, the kernel that
+# `experiment.matches` reads them). Operational settings (how often training saves, the kernel that
 # computes the same function, ...) do not count, except train.steps: a finished training has its length.
 _TRAINED = ("model", "linearize", "data", "train")
 STAGE_SETTINGS = {"convert": ("model",), "train": _TRAINED,
