@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linjax.config import ModelConfig
 from linjax import heartbeat
-from linjax.convert.hf import recover_interrupted_swap, swap_in, write_directory
-from linjax.files import write_json
+from linjax.config import ModelConfig
+from linjax.files import recover_interrupted_swap, swap_in, write_directory, write_json
 from linjax.layers import Trainable
 from linjax.linearize import LinearizeConfig, linearize
 from linjax.model import CausalLM, abstract_model
@@ -44,7 +43,7 @@ def is_checkpoint(directory: str) -> bool:
 
 def save_checkpoint(model: CausalLM, directory: str, tokenizer=None) -> str:
     """Writes the checkpoint whole into a directory beside `directory` and swaps it in
-    (`hf.write_directory`), so an interrupted or failed save leaves the earlier checkpoint as it was,
+    (`files.write_directory`), so an interrupted or failed save leaves the earlier checkpoint as it was,
     never new parameters beside an old manifest. Refuses a directory linjax did not write as an output."""
     return write_directory(directory, lambda staging: write_checkpoint_files(model, staging, tokenizer))
 
@@ -72,7 +71,7 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
     written again (they are bit-identical to the base's). The manifest records the
     run's length (`steps`) and its base model's fingerprint (`inputs`, see
     linjax.fingerprint). `trainable/` is written whole beside its place and swapped in
-    (`hf.recover_interrupted_swap` puts an earlier one back after a kill inside the
+    (`files.recover_interrupted_swap` puts an earlier one back after a kill inside the
     swap), then the manifest is written: a kill or a full disk at any point leaves the
     earlier parameters or the new ones, never none.
     """

@@ -22,7 +22,8 @@ import os
 
 import numpy as np
 
-from linjax.convert.hf import check_export_directory, model_tensors, write_hf_directory
+from linjax.convert.hf import model_tensors, write_hf_directory
+from linjax.files import check_export_directory
 from linjax.layers import torch_linear_tensors as _linear  # noqa: F401  (tests/test_hedgehog_map.py)
 from linjax.linearize import mixer_names
 

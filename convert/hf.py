@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +19,8 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from linjax import heartbeat
 from linjax.config import ModelConfig
-from linjax.files import writer_lock
+from linjax.files import check_export_directory, listing, write_directory
 from linjax.model import CausalLM, abstract_model
 
 Path = tuple  # a parameter path inside the model, e.g. ("layers", 0, "attn", "proj", "q_proj", "kernel")
@@ -88,21 +86,16 @@ def model_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], dtyp
         _set(params, path, jnp.asarray(value, dtype=dtype))
     problems = []
     if missing:
-        problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+        problems.append(f"missing tensors ({len(missing)}): {listing(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+        problems.append(f"unexpected tensors ({len(unexpected)}): {listing(unexpected)}")
     if misshaped:
-        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_listing(misshaped)}")
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {listing(misshaped)}")
     if problems:
         raise ValueError(f"{source} does not match a {config.architecture} with this config: "
                          + "; ".join(problems))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
-
-
-def _listing(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def model_tensors(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
@@ -166,140 +159,6 @@ def write_hf_directory(directory: str, config: dict, tensors: dict, tokenizer=No
     """An HF model directory (see `write_hf_files`), written whole and swapped in by `write_directory`."""
     return write_directory(directory, lambda staging: write_hf_files(staging, config, tensors, tokenizer,
                                                                      extra_files))
-
-
-# Every directory linjax writes with `write_directory` (exports, conversions, linearized checkpoints) holds
-# this file, listing its entries: only such a directory, with nothing added since, is ever replaced.
-EXPORT_MARKER = ".linjax-export"
-# What a training run directory holds beside its checkpoint: such a directory is never replaced.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl")
-
-
-def _written_entries(directory: str) -> set[str] | None:
-    """The entries linjax wrote into `directory` (from its marker), or None if linjax did not write it."""
-    try:
-        with open(os.path.join(directory, EXPORT_MARKER)) as f:
-            return set(json.load(f)["entries"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _within(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def check_export_directory(directory: str, source: str | None = None) -> str:
-    """The absolute path of an output directory that may be (re)written: absent, empty, or an earlier
-    output of linjax with nothing added since. Never the input `source` (nor a directory inside it or
-    holding it), a training run, a checkpoint linjax did not write as an output, or anyone's other files."""
-    directory = os.path.abspath(directory)
-    if source is not None and os.path.exists(source):
-        out, src = os.path.realpath(directory), os.path.realpath(source)
-        if _within(out, src) or _within(src, out):
-            relation = "is" if out == src else "is inside" if _within(out, src) else "holds"
-            raise FileExistsError(f"the output directory {directory} {relation} the input {source}; "
-                                  "choose an --out outside it")
-    if not os.path.exists(directory):
-        return directory
-    if not os.path.isdir(directory):
-        raise FileExistsError(f"{directory} is a file; choose another --out")
-    entries = set(os.listdir(directory))
-    written = _written_entries(directory)
-    if not entries or (written is not None and entries - {EXPORT_MARKER} <= written):
-        return directory
-    if entries & set(RUN_ENTRIES):
-        what = f"a training run ({', '.join(sorted(entries & set(RUN_ENTRIES)))})"
-    elif written is None and "linjax.json" in entries:
-        what = (f"a linjax checkpoint without {EXPORT_MARKER} (a training run's, or one written before linjax "
-                "marked its outputs)")
-    elif written is None:
-        what = f"files linjax did not write (no {EXPORT_MARKER}): {_listing(sorted(entries), 5)}"
-    else:
-        what = f"files added after linjax wrote it: {_listing(sorted(entries - written - {EXPORT_MARKER}), 5)}"
-    raise FileExistsError(f"{directory} already exists and holds {what}; linjax replaces only its own earlier "
-                          "outputs. Choose another --out, or remove that directory yourself")
-
-
-def write_directory(directory: str, fill) -> str:
-    """Writes a whole output directory: `fill(staging)` fills a new directory beside `directory`, the
-    marker is added, then an earlier `directory` is renamed aside, the new one renamed into place, and
-    only then the old one removed. A failure (a full disk, an unwritable folder) or a crash before the
-    swap leaves the earlier directory as it was; a crash inside the swap leaves the earlier one set
-    aside, which the next write (`recover_interrupted_swap`) puts back. One writer at a time
-    (`writer_lock`): a second one stops with one line naming the first."""
-    with writer_lock(directory):
-        recover_interrupted_swap(directory)
-        directory = check_export_directory(directory)
-        parent, name = os.path.split(directory)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=f".{name}.linjax-new-", dir=parent)
-        except OSError as err:
-            raise _write_error(directory, err) from err
-        try:
-            with heartbeat.temporary(staging):
-                fill(staging)
-                with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
-                    json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)
-                swap_in(staging, directory)
-        except BaseException as err:
-            shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(err, WriteFailed):  # a nested output (convert's HF part): report the first cause
-                err = err.__cause__
-            if isinstance(err, OSError):
-                raise _write_error(directory, err) from err
-            raise
-    return directory
-
-
-def recover_interrupted_swap(directory: str) -> None:
-    """Undoes what a killed `swap_in` or `write_directory` left beside `directory`: the earlier
-    directory set aside (`.NAME.linjax-old-*`) goes back in place if nothing took it, else it is
-    removed; staging folders (`.NAME.linjax-new-*`) are removed. Call it holding the writer lock."""
-    directory = os.path.abspath(directory)
-    parent, name = os.path.split(directory)
-    if not os.path.isdir(parent):
-        return
-    aside = sorted((os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f".{name}.linjax-old-")),
-                   key=os.path.getmtime)
-    if aside and not os.path.exists(directory):
-        os.rename(aside.pop(), directory)  # the newest: the one the swap had just set aside
-    for path in aside + [os.path.join(parent, n) for n in os.listdir(parent)
-                         if n.startswith(f".{name}.linjax-new-")]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def swap_in(new: str, directory: str) -> None:
-    if not os.path.exists(directory):
-        os.rename(new, directory)
-        return
-    parent, name = os.path.split(directory)
-    old = tempfile.mkdtemp(prefix=f".{name}.linjax-old-", dir=parent)
-    try:
-        os.rename(directory, old)  # onto the empty directory just made: POSIX rename replaces it
-    except BaseException:
-        os.rmdir(old)
-        raise
-    try:
-        os.rename(new, directory)
-    except BaseException:
-        os.rename(old, directory)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-class WriteFailed(OSError):
-    """An output directory could not be written; the message says what is left and what to do."""
-
-
-def _write_error(directory: str, err: OSError) -> WriteFailed:
-    """One line for people: what failed, that nothing was lost, what to do."""
-    reason = err.strerror or str(err)
-    if err.filename:
-        reason += f" ({err.filename})"
-    kept = "its earlier contents are intact" if os.path.isdir(directory) else "nothing was written there"
-    return WriteFailed(err.errno, f"could not write {directory}: {reason}; {kept}. Free some space, fix the "
-                                  "folder's permissions or choose another --out, then run the command again")
 
 
 def save_hf(model: CausalLM, directory: str, tokenizer=None) -> str:

@@ -5,6 +5,8 @@ the content is written to a temporary file beside the target, flushed to disk, a
 the target, so a reader, a crash or a full disk sees the old file or the new one, never a part.
 An output that one process writes at a time (a run directory, an export, an evaluation's folder)
 is guarded by `writer_lock`: a second writer stops with one line naming the first one's pid.
+A whole output directory (an export, a conversion, a checkpoint) is written beside its place and
+swapped in by `write_directory`; only an earlier output of linjax is ever replaced.
 
 Documents: `.jsonl` (one record per line), `.json` (a record, or a list of records), anything else
 (`.txt`, wikitext's `.raw`) one document per file. A record's text is its text field; Alpaca-style
@@ -17,7 +19,11 @@ import contextlib
 import errno
 import json
 import os
+import shutil
+import tempfile
 import uuid
+
+from linjax import heartbeat
 
 
 @contextlib.contextmanager
@@ -163,3 +169,146 @@ def writer_lock(target: str, what: str = "", wait: bool = False):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)  # while still locked, so no one locks the removed file and keeps it
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------- output directories
+
+
+def listing(names: list[str], limit: int = 12) -> str:
+    """'a, b, c, ... (N more)': the first `limit` names, for an error message."""
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# Every directory linjax writes with `write_directory` (exports, conversions, linearized checkpoints) holds
+# this file, listing its entries: only such a directory, with nothing added since, is ever replaced.
+EXPORT_MARKER = ".linjax-export"
+# What a training run directory holds beside its checkpoint: such a directory is never replaced.
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl")
+
+
+def _written_entries(directory: str) -> set[str] | None:
+    """The entries linjax wrote into `directory` (from its marker), or None if linjax did not write it."""
+    try:
+        with open(os.path.join(directory, EXPORT_MARKER)) as f:
+            return set(json.load(f)["entries"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_export_directory(directory: str, source: str | None = None) -> str:
+    """The absolute path of an output directory that may be (re)written: absent, empty, or an earlier
+    output of linjax with nothing added since. Never the input `source` (nor a directory inside it or
+    holding it), a training run, a checkpoint linjax did not write as an output, or anyone's other files."""
+    directory = os.path.abspath(directory)
+    if source is not None and os.path.exists(source):
+        out, src = os.path.realpath(directory), os.path.realpath(source)
+        if _within(out, src) or _within(src, out):
+            relation = "is" if out == src else "is inside" if _within(out, src) else "holds"
+            raise FileExistsError(f"the output directory {directory} {relation} the input {source}; "
+                                  "choose an --out outside it")
+    if not os.path.exists(directory):
+        return directory
+    if not os.path.isdir(directory):
+        raise FileExistsError(f"{directory} is a file; choose another --out")
+    entries = set(os.listdir(directory))
+    written = _written_entries(directory)
+    if not entries or (written is not None and entries - {EXPORT_MARKER} <= written):
+        return directory
+    if entries & set(RUN_ENTRIES):
+        what = f"a training run ({', '.join(sorted(entries & set(RUN_ENTRIES)))})"
+    elif written is None and "linjax.json" in entries:
+        what = (f"a linjax checkpoint without {EXPORT_MARKER} (a training run's, or one written before linjax "
+                "marked its outputs)")
+    elif written is None:
+        what = f"files linjax did not write (no {EXPORT_MARKER}): {listing(sorted(entries), 5)}"
+    else:
+        what = f"files added after linjax wrote it: {listing(sorted(entries - written - {EXPORT_MARKER}), 5)}"
+    raise FileExistsError(f"{directory} already exists and holds {what}; linjax replaces only its own earlier "
+                          "outputs. Choose another --out, or remove that directory yourself")
+
+
+def write_directory(directory: str, fill) -> str:
+    """Writes a whole output directory: `fill(staging)` fills a new directory beside `directory`, the
+    marker is added, then an earlier `directory` is renamed aside, the new one renamed into place, and
+    only then the old one removed. A failure (a full disk, an unwritable folder) or a crash before the
+    swap leaves the earlier directory as it was; a crash inside the swap leaves the earlier one set
+    aside, which the next write (`recover_interrupted_swap`) puts back. One writer at a time
+    (`writer_lock`): a second one stops with one line naming the first."""
+    with writer_lock(directory):
+        recover_interrupted_swap(directory)
+        directory = check_export_directory(directory)
+        parent, name = os.path.split(directory)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=f".{name}.linjax-new-", dir=parent)
+        except OSError as err:
+            raise _write_error(directory, err) from err
+        try:
+            with heartbeat.temporary(staging):
+                fill(staging)
+                with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
+                    json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)
+                swap_in(staging, directory)
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, WriteFailed):  # a nested output (convert's HF part): report the first cause
+                err = err.__cause__
+            if isinstance(err, OSError):
+                raise _write_error(directory, err) from err
+            raise
+    return directory
+
+
+def recover_interrupted_swap(directory: str) -> None:
+    """Undoes what a killed `swap_in` or `write_directory` left beside `directory`: the earlier
+    directory set aside (`.NAME.linjax-old-*`) goes back in place if nothing took it, else it is
+    removed; staging folders (`.NAME.linjax-new-*`) are removed. Call it holding the writer lock."""
+    directory = os.path.abspath(directory)
+    parent, name = os.path.split(directory)
+    if not os.path.isdir(parent):
+        return
+    aside = sorted((os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f".{name}.linjax-old-")),
+                   key=os.path.getmtime)
+    if aside and not os.path.exists(directory):
+        os.rename(aside.pop(), directory)  # the newest: the one the swap had just set aside
+    for path in aside + [os.path.join(parent, n) for n in os.listdir(parent)
+                         if n.startswith(f".{name}.linjax-new-")]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def swap_in(new: str, directory: str) -> None:
+    if not os.path.exists(directory):
+        os.rename(new, directory)
+        return
+    parent, name = os.path.split(directory)
+    old = tempfile.mkdtemp(prefix=f".{name}.linjax-old-", dir=parent)
+    try:
+        os.rename(directory, old)  # onto the empty directory just made: POSIX rename replaces it
+    except BaseException:
+        os.rmdir(old)
+        raise
+    try:
+        os.rename(new, directory)
+    except BaseException:
+        os.rename(old, directory)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class WriteFailed(OSError):
+    """An output directory could not be written; the message says what is left and what to do."""
+
+
+def _write_error(directory: str, err: OSError) -> WriteFailed:
+    """One line for people: what failed, that nothing was lost, what to do."""
+    reason = err.strerror or str(err)
+    if err.filename:
+        reason += f" ({err.filename})"
+    kept = "its earlier contents are intact" if os.path.isdir(directory) else "nothing was written there"
+    return WriteFailed(err.errno, f"could not write {directory}: {reason}; {kept}. Free some space, fix the "
+                                  "folder's permissions or choose another --out, then run the command again")

@@ -201,7 +201,7 @@ def test_a_full_disk_during_export_keeps_the_previous_export(command, tiny_sourc
 def test_a_crash_inside_the_swap_restores_the_previous_export(tiny_source, tmp_path, monkeypatch):
     """Renaming the new export into place fails after the old one was moved aside: it comes back."""
     import linjax
-    from linjax.convert import hf
+    from linjax import files
 
     out = str(tmp_path / "export")
     model, tokenizer = linjax.load(tiny_source)
@@ -214,7 +214,7 @@ def test_a_crash_inside_the_swap_restores_the_previous_export(tiny_source, tmp_p
             raise OSError(errno.EIO, "Input/output error")
         return rename(src, dst)
 
-    monkeypatch.setattr(hf.os, "rename", failing_rename)
+    monkeypatch.setattr(files.os, "rename", failing_rename)
     with pytest.raises(OSError, match="intact"):
         linjax.save_hf(model, out, tokenizer)
     assert snapshot(out) == before and leftovers(tmp_path) == []

@@ -279,11 +279,12 @@ def test_changed_inputs_are_refused_by_resume_load_and_run_unless_allowed(tiny_s
 #   inside_swap   the earlier trainable/ is set aside, the new one not yet renamed into place
 KILLED_IN_SAVE_TRAINED = r"""
 import os, signal, sys
-from linjax.convert import checkpoint, hf
+from linjax import files
+from linjax.convert import checkpoint
 
 point, argv = sys.argv[1], sys.argv[2:]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-swap_in = hf.swap_in
+swap_in = files.swap_in
 def killing_swap_in(new, directory):
     if point == "before_swap": die()
     rename = os.rename

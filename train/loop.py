@@ -48,12 +48,11 @@ from tqdm.auto import tqdm
 import linjax
 from linjax import fingerprint, heartbeat
 from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_trained
-from linjax.convert.hf import recover_interrupted_swap
-from linjax.files import write_json, write_text, writer_lock
+from linjax.experiment import OPERATIONAL, describe_changes, setting_changes
+from linjax.files import recover_interrupted_swap, write_json, write_text, writer_lock
 from linjax.layers import Trainable
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
 from linjax.train import sharding
-from linjax.experiment import OPERATIONAL, describe_changes, setting_changes
 from linjax.train.data import build_dataset
 from linjax.train.objectives import objective_loss
 

@@ -33,9 +33,8 @@ from linjax import fingerprint, train
 from linjax.app import hugepages, latency_cli, pipeline, watchdog
 from linjax.app.arguments import non_negative_float, non_negative_int
 from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
-from linjax.convert.hf import check_export_directory, write_directory
 from linjax.app.eval_cli import add_eval_parser
-from linjax.files import WriterBusy, writer_lock
+from linjax.files import WriterBusy, check_export_directory, write_directory, writer_lock
 from linjax.generate import generate
 from linjax.linearize import ADAPTERS, COMBINES, FLA_DEFAULT_SCALE, KERNELS, MIXERS, LinearizeConfig, mixer_names
 from linjax.train.sharding import maybe_initialize_distributed
