@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from linjax.mixers.softmax import blocked_causal_attention, causal_attention
+from linjax.kernels.softmax_blocked import blocked_causal_attention
+from linjax.mixers.softmax import causal_attention
 from tests.helpers import relative_rms
 
 
