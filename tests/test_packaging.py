@@ -40,6 +40,21 @@ def test_wheel_holds_only_the_linjax_namespace(tmp_path):
     for name in SUBPACKAGES:
         assert f"linjax/{name}/__init__.py" in names
     assert "linjax/convert/gguf.py" in names and "linjax/mixers/softmax.py" in names
+    assert "linjax/app/cli.py" in names and "linjax/kernels/softmax_blocked.py" in names
+    entry_points = zipfile.ZipFile(tmp_path / wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
+    assert b"linjax = linjax.app.cli:main" in entry_points
+
+
+def test_the_old_command_module_still_runs_the_command():
+    """`linjax.cli:main` (the console script of installs made before the CLI moved to linjax/app/)
+    and `python -m linjax.cli` run the same command."""
+    import linjax.app.cli
+    import linjax.cli
+
+    assert linjax.cli.main is linjax.app.cli.main
+    done = subprocess.run([sys.executable, "-m", "linjax.cli", "--version"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("linjax "), done.stderr[-2000:]
 
 
 def _fresh_environment_with(wheel_dir, root) -> str:

@@ -66,7 +66,8 @@ def reexec_module_with_huge_pages(module: str, argv: list[str]):
 def reexec_with_huge_pages(python_args: list[str]):
     """Replace this process by `python *python_args` with the tunable set; return if not needed.
 
-    `python_args`: what follows the interpreter, e.g. ["-c", "from linjax.app.cli import main; main()", *sys.argv[1:]]."""
+    `python_args`: what follows the interpreter, e.g.
+    ["-c", "from linjax.app.cli import main; main()", *sys.argv[1:]]."""
     environ = environment_with_huge_pages()
     if environ is not None:
         sys.stdout.flush()
