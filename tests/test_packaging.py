@@ -45,15 +45,15 @@ def test_wheel_holds_only_the_linjax_namespace(tmp_path):
     assert b"linjax = linjax.app.cli:main" in entry_points
 
 
-def test_the_old_command_module_still_runs_the_command():
+def test_the_old_command_module_still_runs_the_command(tmp_path):
     """`linjax.cli:main` (the console script of installs made before the CLI moved to linjax/app/)
     and `python -m linjax.cli` run the same command."""
     import linjax.app.cli
     import linjax.cli
 
     assert linjax.cli.main is linjax.app.cli.main
-    done = subprocess.run([sys.executable, "-m", "linjax.cli", "--version"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "linjax.cli", "--version"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("linjax "), done.stderr[-2000:]
 
 
