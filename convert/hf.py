@@ -110,13 +110,27 @@ def model_tensors(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
     return out
 
 
+def shard_files(index: str) -> list[str]:
+    """The shard file names a `model.safetensors.index.json` lists; ValueError for a broken index."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a safetensors index (JSON with a \"weight_map\"): {err}; "
+                         "download or convert the model again") from None
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(name, str) for name in weight_map.values()):
+        raise ValueError(f"{index} has no \"weight_map\" of tensor names to shard files; "
+                         "download or convert the model again")
+    return sorted(set(weight_map.values()))
+
+
 def read_safetensors(directory: str) -> dict[str, np.ndarray]:
     """All tensors of an HF model directory, single-file or sharded."""
     index = os.path.join(directory, "model.safetensors.index.json")
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = shard_files(index)
     elif os.path.isfile(single):
         files = ["model.safetensors"]
     else:

@@ -46,6 +46,17 @@ def test_a_truncated_safetensors_file_is_one_line(tiny_hf_dir, tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("index", ['{"metadata": {}}', '{"weight_map": []}', "[1, 2]", "{not json"])
+def test_a_broken_safetensors_index_is_one_line(index, tiny_hf_dir, tmp_path, capsys):
+    model = users_copy(tiny_hf_dir, tmp_path)
+    (model / "model.safetensors.index.json").write_text(index)
+    status, _, err = run_cli(["convert", model, "--out", tmp_path / "out"], capsys)
+    assert status == 2
+    line = one_line_error(err)
+    assert "model.safetensors.index.json" in line and "weight_map" in line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("num_key_value_heads", 0, "num_key_value_heads"),
     ("num_attention_heads", 0, "num_attention_heads"),
