@@ -135,9 +135,12 @@ def writer_lock(target: str, what: str = "", wait: bool = False):
         finally:
             _held[path] -= 1
         return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # the output's folder cannot be made (a file in the way, permissions, space)
+            raise _write_error(os.path.abspath(target), err) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:

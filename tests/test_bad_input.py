@@ -152,7 +152,7 @@ def test_a_special_token_outside_the_gguf_vocabulary_is_one_line(tmp_path):
     ("train.seed=-1", "train.seed must be an integer ≥ 0"),
     ("train.mesh_data=0", "train.mesh_data must be ≥ 1, or -1"),
     ("train.mesh_fsdp=0", "train.mesh_fsdp must be"),
-    ('model.dtype="float16"', "model.dtype must be one of ['float32', 'bfloat16']"),
+    ('model.dtype="float64"', "model.dtype must be one of ['auto', 'float32', 'bfloat16', 'float16']"),
     ('data.paths="corpus.txt"', "data.paths must be a list"),
     ("data.shuffle_buffer=0", "data.shuffle_buffer must be"),
     ("eval.ruler_samples=0", "eval.ruler_samples must be"),

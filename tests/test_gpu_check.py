@@ -15,7 +15,7 @@ SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 
 def test_smoke_run_writes_every_part(tmp_path):
     out = tmp_path / "check"
-    subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], check=True, cwd=ROOT, timeout=900)
+    subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], check=True, cwd=tmp_path, timeout=900)
     report = json.loads((out / "gpu_check.json").read_text())
     assert [p["status"] for p in report["parts"]] == ["exit 0"] * len(report["parts"]), report["parts"]
     rows = report["rows"]
@@ -34,11 +34,11 @@ def test_smoke_run_writes_every_part(tmp_path):
     assert (out / "gpu_check.md").read_text().startswith("# linjax GPU check on")
     # A second run never overwrites the first one's rows.
     again = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], capture_output=True, text=True,
-                           cwd=ROOT, timeout=300)
+                           cwd=tmp_path, timeout=300)
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
 def test_bad_parts_are_one_line_and_exit_2(tmp_path):
     result = subprocess.run([sys.executable, SCRIPT, "--smoke", "--parts", "tests,speed", "--out", str(tmp_path)],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--parts" in result.stderr

@@ -95,9 +95,11 @@ def test_installed_command_runs_from_the_checkout_root(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LINJAX_HUGE_PAGES", "PYTHONPATH")}
     command = os.path.join(venv, "bin", "linjax")
     for args in (["run", "--help"], ["train", "--help"], ["--version"]):
-        done = subprocess.run([command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([command, *args], cwd=ROOT, env=env, capture_output=True, text=True,  # checkout root on purpose: the README runs it there
+                              timeout=300)
         assert done.returncode == 0, f"linjax {' '.join(args)}:\n{done.stderr[-3000:]}"
-    version = subprocess.run([command, "--version"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    version = subprocess.run([command, "--version"], cwd=ROOT, env=env,  # checkout root on purpose: as above
+                             capture_output=True, text=True, timeout=300)
     assert version.stdout.strip().endswith(f"from {installed}"), version.stdout
 
 

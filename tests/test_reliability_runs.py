@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import jax
@@ -24,6 +25,7 @@ from linjax.app import pipeline, watchdog
 from linjax.files import WriterBusy, lock_path, writer_lock
 from linjax.layers import Trainable
 from tests.conftest import ROOT
+from tests.helpers import python_environment
 from tests.test_reliability import leftovers, one_line_error, run_cli, snapshot
 from tests.test_train import _write_toml, corpus, experiment  # noqa: F401 (corpus is a fixture)
 
@@ -48,9 +50,11 @@ def assert_same_parameters(a, b):
 
 
 def python(code: str, *args, cwd=None, timeout=600):
-    """A Python subprocess running `code` (dedented) with the repository importable."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    """A Python subprocess running `code` (dedented) with the installed linjax and `tests` importable,
+    the working directory (`cwd`, else the system's temporary folder) kept off sys.path."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                          cwd=cwd or tempfile.gettempdir(), capture_output=True, text=True, timeout=timeout,
+                          env=python_environment())
 
 
 # ----------------------------------------------------------------------------- 1. a finished run stays as it is
@@ -99,7 +103,12 @@ def test_a_fresh_start_where_a_run_left_anything_is_refused(history, corpus, tmp
 CLAIMS = sorted(glob.glob(os.path.join(ROOT, "configs", "claims", "*.toml")))
 
 
-@pytest.mark.parametrize("path", CLAIMS, ids=os.path.basename)
+def _trained_row(path) -> bool:
+    """Whether the claims config's run directory holds a trained run (not a training-free baseline)."""
+    return os.path.isfile(os.path.join(ROOT, train.load_experiment(path).run_dir, "linjax.json"))
+
+
+@pytest.mark.parametrize("path", [p for p in CLAIMS if _trained_row(p)], ids=os.path.basename)
 def test_the_claims_rows_are_finished_runs_their_resume_command_leaves_alone(path):
     """Each committed claims row is a finished run of its config as `--resume` reads it (same settings,
     as many steps as asked, no checkpoint): the command its config documents changes nothing (the
@@ -108,8 +117,6 @@ def test_the_claims_rows_are_finished_runs_their_resume_command_leaves_alone(pat
 
     config = train.load_experiment(path)
     run_dir = os.path.join(ROOT, config.run_dir)
-    if not os.path.isfile(os.path.join(run_dir, "linjax.json")):
-        pytest.skip(f"{config.run_dir} holds no trained run (a training-free baseline, or not committed)")
     assert finished_steps(run_dir) == config.train.steps
     _refuse_other_settings(_stored_record(run_dir), config.to_dict(), run_dir)
 
@@ -118,14 +125,13 @@ def test_the_documented_resume_of_a_claims_row_changes_nothing(tmp_path):
     """`linjax train configs/claims/gdn.toml --resume`, on a copy of its committed row, from the
     repository root as documented: exit 0, "finished", every byte the same."""
     row = os.path.join(ROOT, "results", "runs", "gdn")
-    if not os.path.isdir(row):
-        pytest.skip("results/runs/gdn is not committed")
+    assert os.path.isdir(row), "results/runs/gdn, a committed claims row, is missing"
     copy = tmp_path / "gdn"
     shutil.copytree(row, copy)
     before = everything(copy)
     done = python("from linjax.app.cli import main; import sys; main(sys.argv[1:])", "train",
                   os.path.join(ROOT, "configs", "claims", "gdn.toml"), "--resume", "--no-progress",
-                  "--set", f"run_dir={json.dumps(str(copy))}", cwd=ROOT)
+                  "--set", f"run_dir={json.dumps(str(copy))}", cwd=ROOT)  # checkout root on purpose: as documented
     assert done.returncode == 0, done.stderr[-2000:]
     assert "is finished (2000 steps); nothing to do" in done.stdout
     assert everything(copy) == before and sorted(os.listdir(tmp_path)) == ["gdn"]
@@ -146,13 +152,13 @@ with ExitStack() as stack:
 
 
 @pytest.fixture
-def holder():
+def holder(tmp_path):
     """hold(*targets): another process holding the writer locks of `targets`; its pid."""
     processes = []
 
     def hold(*targets):
-        process = subprocess.Popen([sys.executable, "-c", HOLD_LOCKS, *map(str, targets)], cwd=ROOT, text=True,
-                                   stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+        process = subprocess.Popen([sys.executable, "-c", HOLD_LOCKS, *map(str, targets)], cwd=tmp_path, text=True,
+                                   stdout=subprocess.PIPE, env=python_environment())
         processes.append(process)
         assert process.stdout.readline().strip() == "held"
         return process.pid
