@@ -32,11 +32,8 @@ from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, d
 
 __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "GPU_CHUNK", "PALLAS_CHUNK"]
 
-# Default chunk of `chunked`: on a 2-core CPU (B=1, H=8, D=128, T=4096) forward+backward took 0.66 s
-# with 32, 0.72 s with 64 and 0.69 s with 16 (forward 0.21, 0.25, 0.19 s): the 64-wide block inverse
-# and decay tree cost more than the shorter scan over chunks saves. With each chunk's work inside the
-# scan (below), 64 still had the slowest forward (0.19–0.21 s against 0.15–0.16 s, under load) and
-# 16 measured within noise of 32.
+# Default chunk of `chunked` on a CPU: there the 64-wide block inverse and decay tree cost more than
+# the shorter scan over chunks saves, and 16 was no faster than 32 (results/bench/HISTORY.md).
 CHUNK = 32
 # Default chunk of `pallas`: that measurement does not carry over to a GPU, where the in-chunk work is
 # batched over all chunks and a longer chunk means fewer serial steps of the state pass. 64 is the
@@ -121,12 +118,8 @@ def reference(q, k, v, log_alpha, beta, *, scale=None, initial_state=None):
 #
 # On a CPU, all of a chunk's work runs inside one step of the scan over chunks, heads batched, so its [C, D]
 # blocks stay in cache between the dozens of small operations on them; the step is recomputed in
-# the backward (jax.checkpoint) rather than its intermediates stored. Measured on a 2-core CPU
-# against forming everything for all chunks at once and scanning only the state (same-process
-# A/B, quiet): B 1, H 8, D 128, T 4,096 forward 0.21 → 0.15 s, forward + backward unchanged
-# (about 0.62 s; also at SmolLM2's shapes). Inside a training step it saves memory and time: the
-# final recipe's step on SmolLM2 at 512 tokens keeps 2,260 → 1,421 MB of temporaries and takes
-# about 4.3 → 3.3 s.
+# the backward (jax.checkpoint) rather than its intermediates stored: on a CPU this beat forming
+# everything for all chunks at once in time and memory (results/bench/HISTORY.md).
 
 
 def chunked(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=None):

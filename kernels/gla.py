@@ -17,10 +17,9 @@ fp32 gates, sums and states). The kernels take q and k as given (no feature
 map, no L2 norm). kgla.py and linear_attn.py reuse the recurrence here
 (`decayed_update`, `scan_recurrence`, `chunked_scan`).
 
-Speed on CPU (2 cores, B=1, T=2048, H=8, Hkv=2, D=64, jit): chunked 69 ms
-forward / 319 ms forward+backward, reference 13 ms / 620 ms. The scan is the
-faster forward on CPU (a [Dk, Dv] update per token is cheap there); chunked
-is the one to differentiate, and the parallel form for accelerators.
+On a CPU the token scan (`reference`) is the faster forward (a [Dk, Dv] update
+per token is cheap there); `chunked` is the one to differentiate, and the
+parallel form for accelerators.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, def
                                      initial_state_or_zeros)
 from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
 
-# Default chunk of `chunked` (a power of two). On a 2-core CPU (B=1, H=8, D=128, T=4096) the forward
-# took 0.14 s with 32 and 0.16 s with 64, forward+backward 0.43 s with either.
+# Default chunk of `chunked` on a CPU (a power of two): 32 had the faster forward (results/bench/HISTORY.md).
 CHUNK = 32
 # Default chunk of `pallas`: a longer chunk shortens the serial state pass and adds only batched
 # [C, C] work; 64 is the block FLA's GLA kernels use. Untuned (no GPU was at hand).

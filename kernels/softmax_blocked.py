@@ -13,12 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# XLA:CPU builds the whole [T, T] score matrix of jax.nn.dot_product_attention and masks half of it
-# away, and the softmax over it is memory-bound: at T = 1,024 (9 heads, D 64) one layer's forward +
-# backward took 0.31 s that way, 0.16 s in query blocks of 128 and 0.14 s in blocks of 64, against
-# 0.13 s for PyTorch's SDPA (same machine and run, 2 cores). Blocks skip the keys after the block's
-# last query and keep each block's scores in cache. At most MAX_BLOCKS blocks, so long sequences
-# do not unroll into hundreds of products.
+# XLA builds the whole [T, T] score matrix of jax.nn.dot_product_attention and masks half of it
+# away, and the softmax over it is memory-bound. Blocks skip the keys after the block's last query
+# and keep each block's scores in cache (64 rows was the fastest block; results/bench/HISTORY.md).
+# At most MAX_BLOCKS blocks, so long sequences do not unroll into hundreds of products.
 QUERY_BLOCK, MAX_BLOCKS = 64, 16
 
 
@@ -28,8 +26,6 @@ def recomputed(q, k, v):
     # Recomputed in the backward pass instead of saved, as flash attention does: the backward keeps
     # only q, k and v, not every block's [G·n, keys] scores and key prefixes (0.9 GB for SmolLM2
     # at T = 1,024, written and zero-filled at every step; growing as T²).
-    # The floor (bench/train.py) at T = 1,024: 8.96 → 8.55 s, at 512: 3.72 → 3.53 s (medians of 5,
-    # interleaved in one process on the loaded 2-core machine).
     return jax.checkpoint(lambda q, k, v: blocked_causal_attention(q, k, v, block), prevent_cse=False)(q, k, v)
 
 
@@ -41,9 +37,7 @@ def blocked_causal_attention(q, k, v, block: int):
     Layout: q, k and v are put heads-major once ([B, Hkv, G, T, D] and [B, Hkv, T, D]), so each
     block's two products are batched matmuls over (B, Hkv) on contiguous rows, the block's G·n
     queries stacked as one matrix (as in the mixer's `cached_attention`). Einsums over the
-    [B, T, H, D] inputs made XLA:CPU transpose every block's keys and values again: one layer at SmolLM2's shapes
-    (9 heads, 3 kv heads, D 64), forward / forward + backward, 7.0 / 12.4 ms → 3.2 / 9.5 ms at
-    T = 512 and 17.6 / 62.7 ms → 10.1 / 40.4 ms at T = 1,024 (same run, 2 cores)."""
+    [B, T, H, D] inputs made XLA:CPU transpose every block's keys and values again."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
@@ -52,8 +46,7 @@ def blocked_causal_attention(q, k, v, block: int):
     over_heads = ((0, 1), (0, 1))
     # Blocks taken by split and the key prefixes put together by concatenate: in the backward these
     # become a concatenate and per-block slices, where q[..., start:end] and k[:, :, :end] became a
-    # zero-padded full-length gradient per block and a 16-way sum (one layer's forward + backward at
-    # T = 1,024: 84 → 79 ms, median of 40 in the same run, loaded 2-core machine).
+    # zero-padded full-length gradient per block and a 16-way sum.
     edges = list(range(block, T, block))
     q_blocks, k_blocks, v_blocks = (jnp.split(q, edges, axis=3), jnp.split(k, edges, axis=2),
                                     jnp.split(v, edges, axis=2))
@@ -67,8 +60,7 @@ def blocked_causal_attention(q, k, v, block: int):
         query_pos = start + jnp.tile(jnp.arange(end - start), G)
         scores = jnp.where(jnp.arange(end)[None, :] <= query_pos[:, None], scores, -jnp.inf)
         # Softmax normalised after the product with v: the division touches the [G·n, D] output,
-        # not the [G·n, end] probabilities, which saves the backward a pass over the scores (one
-        # layer's forward + backward at T = 1,024: 103 → 81 ms, same run, loaded 2-core machine).
+        # not the [G·n, end] probabilities, which saves the backward a pass over the scores.
         # The max is a constant shift of each row, so no gradient flows through it.
         unnormalised = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
         out = jax.lax.dot_general(unnormalised.astype(v.dtype), values, (((3,), (2,)), over_heads),

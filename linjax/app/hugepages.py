@@ -5,9 +5,8 @@ call. glibc serves allocations above 32 MiB with mmap, and the kernel faults the
 4 KiB at a time: in a SmolLM2-135M training step at 512 tokens, zero-filling and first writes
 of fresh buffers took about a quarter of the step. glibc's tunable `glibc.malloc.hugetlb=1`
 (glibc 2.35 and later; older ones ignore it) makes malloc advise transparent huge pages, so
-those buffers fault in 2 MiB at a time. Measured on this project's 2-core CPU (kernel THP mode
-"madvise"): the final recipe's training step at 512 tokens 4.37 s → 3.64 s, and the
-forward + backward of the frozen model 2.75 s → 2.32 s (results/bench/HISTORY.md).
+those buffers fault in 2 MiB at a time, which shortened the training step by about a sixth
+(results/bench/HISTORY.md).
 
 glibc reads tunables once, at process start, so the `linjax` command re-executes itself with
 the tunable set (`reexec_module_with_huge_pages`); code that imports linjax can export
