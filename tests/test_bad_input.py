@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.test_reliability import TRAIN_TOML, one_line_error, run_cli
+from tests.test_reliability import TRAIN_TOML, one_line_error, run_cli, write_training_experiment
 
 # ----------------------------------------------------------------------------- model files
 
@@ -204,12 +204,7 @@ def test_a_non_finite_loss_stops_training_with_one_line_and_saves_nothing_broken
                                                                                  monkeypatch, capsys):
     from linjax.train import loop
 
-    data = tmp_path / "corpus.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(40))})
-                              for i in range(8)))
-    run = tmp_path / "run"
-    config = tmp_path / "experiment.toml"
-    config.write_text(TRAIN_TOML.format(run=run, source=tiny_source, data=data))
+    run, config = write_training_experiment(tmp_path, tiny_source)
     make_train_step = loop.make_train_step
 
     def diverging_at_step_3(*args, **kwargs):

@@ -253,17 +253,23 @@ seed = 3
 """
 
 
-def test_a_full_disk_during_a_training_checkpoint_keeps_the_last_one(tiny_source, tmp_path, monkeypatch, capsys):
-    import orbax.checkpoint as ocp
-
-    from linjax import train
-
+def write_training_experiment(tmp_path, source):
+    """A 4-step TRAIN_TOML experiment on 8 small documents in `tmp_path`: (run directory, config path)."""
     data = tmp_path / "corpus.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(40))})
                               for i in range(8)))
     run = tmp_path / "run"
     config = tmp_path / "experiment.toml"
-    config.write_text(TRAIN_TOML.format(run=run, source=tiny_source, data=data))
+    config.write_text(TRAIN_TOML.format(run=run, source=source, data=data))
+    return run, config
+
+
+def test_a_full_disk_during_a_training_checkpoint_keeps_the_last_one(tiny_source, tmp_path, monkeypatch, capsys):
+    import orbax.checkpoint as ocp
+
+    from linjax import train
+
+    run, config = write_training_experiment(tmp_path, tiny_source)
     save_fn = ocp.handlers.JsonCheckpointHandler._save_fn
 
     async def disk_fills_up_at_step_4(self, x, directory):

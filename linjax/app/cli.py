@@ -239,6 +239,14 @@ class _PrintVersion(argparse.Action):
         parser.exit()
 
 
+def add_experiment_overrides(parser) -> None:
+    """--set and --include: how `train` and `run` change an experiment file's settings."""
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a setting, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
+                        help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
+
+
 def add_allow_changed_inputs(parser) -> None:
     parser.add_argument("--allow-changed-inputs", action="store_true",
                         help="go on although the base model, tokenizer or training data differ from what the run "
@@ -273,10 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the new parameters of a linearized model (TOML experiment)")
     p.add_argument("config", help="experiment TOML file (see README, 'Configuration')")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a setting, e.g. --set train.steps=10 (repeatable)")
-    p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
-                   help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
+    add_experiment_overrides(p)
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint "
                    "(a finished run: nothing to do, or extend it to a larger train.steps)")
     add_allow_changed_inputs(p)
@@ -286,10 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="convert → linearize → train → evaluate → report.md, restartable")
     p.add_argument("config", help="experiment TOML file with an optional [eval] section (see README)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a setting, e.g. --set train.steps=10 (repeatable)")
-    p.add_argument("--include", action="append", default=[], metavar="FRAGMENT.toml",
-                   help="merge a config fragment (e.g. from `linjax eval select-layers`) before --set")
+    add_experiment_overrides(p)
     add_allow_changed_inputs(p)
     watchdog.add_argument(p)
     p.set_defaults(func=_run)

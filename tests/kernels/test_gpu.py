@@ -11,8 +11,9 @@ machine, `python bench/gpu_check.py` runs them (docs/gpu.md), or alone:
 `test_input_gradients_match_reference` draws fresh inputs each run (the seed is in its
 failure message; LINJAX_GPU_CHECK_SEED fixes it).
 
-The fp32 tolerances assume full-precision in-kernel dots (pallas_common.FULL_PRECISION):
-with Triton's default TF32 they would fail here by orders of magnitude.
+The fp32 tolerances assume full-precision in-kernel dots (fp32 operands at Precision.HIGHEST in
+swa_pallas.py and chunk_states_pallas.py): with Triton's default TF32 they would fail here by
+orders of magnitude.
 """
 
 from __future__ import annotations
