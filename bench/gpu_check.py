@@ -49,7 +49,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 PAPER_STEPS = 2500  # the paper's run: 2,500 steps × 4,096 tokens
 FULL = dict(budget=540, kernel_lengths=(4096, 16384), kernel_shape=dict(B=4, H=16, D=128), dtype="bfloat16",
-            kernel_repeats=10, train_repeats=5, tests_limit=110, tests_workers=8, train_limit=60, big_limit=100,
+            kernel_repeats=10, train_repeats=5, tests_limit=110, tests_workers=8, train_limit=90, big_limit=100,
             torch_limit=75, kernel_limit=70, fla_limit=90, fla_warmup_extra=20)
 SMOKE = dict(budget=900, kernel_lengths=(40,), kernel_shape=dict(B=1, H=2, D=16), dtype="float32",
              kernel_repeats=2, train_repeats=2, tests_limit=300, tests_workers=0, train_limit=300, big_limit=300,
@@ -139,17 +139,26 @@ def part_tests(args, sizes):
     if importlib.util.find_spec("xdist") is not None:
         command += ["-n", str(sizes["tests_workers"])]
     # The GPU settings of tests/conftest.py, whatever its own detection finds on this machine.
-    env = dict(os.environ) if args.smoke else dict(os.environ, LINJAX_TESTS_GPU="1")
+    env = dict(os.environ, LINJAX_INSTANT_FAILURES="1")
+    if not args.smoke:
+        env["LINJAX_TESTS_GPU"] = "1"
     # "[gw1] [ 50%] PASSED tests/...::name" with workers, "tests/...::name PASSED [ 50%]" without.
     outcome_re = re.compile(r"(?:(PASSED|FAILED|ERROR|SKIPPED)\s+(tests/\S+::\S+))"
                             r"|(?:(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED))")
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    counts, last, seen = {}, "", set()
+    counts, last, seen, explained = {}, "", set(), set()
     for line in process.stdout:
         line = line.rstrip()
         last = line or last
+        if line.startswith("INSTANT-FAILURE ") and " :: " in line:  # tests/conftest.py, as each test fails
+            test, message = line[len("INSTANT-FAILURE "):].split(" :: ", 1)
+            append_row(args.out, dict(part="tests", test=test.split("::")[-1], outcome="message", message=message))
+            explained.add(test.split("::")[-1])
+            continue
         if line.startswith(("FAILED ", "ERROR ")) and " - " in line:  # the -ra summary: the failure's message
+            if line.split()[1].split("::")[-1] in explained:
+                continue
             append_row(args.out, dict(part="tests", test=line.split()[1].split("::")[-1], outcome="message",
                                       message=line.split(" - ", 1)[1][:300]))
             continue
@@ -191,11 +200,15 @@ def part_kernels(args, sizes, T: int):
     methods = [(mech, kernel) for mech in mechanisms for kernel in ("pallas", "chunked")
                if kernel == "pallas" or (T <= LONG_KERNEL_T and mech != "kgla")]
     methods.insert(2 if T <= LONG_KERNEL_T else 1, ("softmax", "cudnn" if _has_cuda() else "xla"))
+    if T <= LONG_KERNEL_T:  # the XLA form GPUs ran before FLA's decomposition: the baseline of issue 36
+        methods.insert(2, ("gdn", "chunked, CPU form"))
     for mech, kernel in methods:
         if mech == "softmax":
             fn = lambda q, k, v, impl=kernel: jax.nn.dot_product_attention(  # noqa: E731
                 q, k, v, is_causal=True, implementation=impl)
             arrays = (q, k, v)
+        elif kernel == "chunked, CPU form":
+            fn, arrays = _gdn_cpu_form, mechanisms["gdn"][1]
         else:
             module, arrays, settings = mechanisms[mech]
             fn = lambda *a, f=getattr(module, kernel), s=settings: f(*a, **s)  # noqa: E731
@@ -212,6 +225,15 @@ def part_kernels(args, sizes, T: int):
             row["error"] = error_text(error)
         row["repeats"] = sizes["kernel_repeats"]
         append_row(args.out, row)
+
+
+def _gdn_cpu_form(q, k, v, log_alpha, beta):
+    """`gdn.chunked` as a CPU lowering runs it (each chunk's whole work inside the scan over chunks),
+    on whatever device this is."""
+    from linjax.kernels import gdn
+    q32, k32, v32, la, b, S0, scale = gdn._prepare(q, k, v, log_alpha, beta, None, None)
+    o, S = gdn._chunk_scan(q32, k32, v32, la, b, S0, chunk=gdn.CHUNK)
+    return (o * scale).astype(v.dtype), S
 
 
 def part_fla(args, sizes, warmup: bool = False):
@@ -250,7 +272,8 @@ def part_fla(args, sizes, warmup: bool = False):
 
 
 def random_model(shapes: dict, dtype, layers: int):
-    """A CausalLM with random weights (N(0, 0.02²), norms at one), made on the device in one program."""
+    """A CausalLM with random weights (N(0, 0.02²), norms at one), made on the device leaf by leaf:
+    one small program per distinct shape, not one program with every leaf as an output."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -262,14 +285,11 @@ def random_model(shapes: dict, dtype, layers: int):
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))))
     leaves, treedef = jax.tree.flatten(abstract)
     key = jax.random.key(0)
-
-    @jax.jit
-    def fill():
-        return [jnp.ones(a.shape, a.dtype) if a.ndim == 1 else
-                (0.02 * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)).astype(a.dtype)
-                for i, a in enumerate(leaves)]
-
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, fill()))
+    normal = jax.jit(lambda key, shape, dtype: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
+                     static_argnums=(1, 2))
+    filled = [jnp.ones(a.shape, a.dtype) if a.ndim == 1 else normal(jax.random.fold_in(key, i), a.shape, a.dtype)
+              for i, a in enumerate(leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, filled))
 
 
 def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str, layers: int | None):
@@ -296,8 +316,15 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
                total_layers=shapes["num_hidden_layers"], dtype=dtype, remat=settings.remat_policy(),
                loss_chunk=settings.loss_chunk_size(), kernel=recipe.kernel if what == "recipe" else None,
                resolved_kernel=("pallas" if recipe.uses_pallas() else "chunked") if what == "recipe" else None)
+    started = time.perf_counter()
+
+    def phase(name):  # a row per stage, so a part stopped at its limit shows where it was
+        append_row(args.out, dict(part="train-phase", model=model_name, what=what, batch=batch, T=tokens,
+                                  layers=layers, phase=name, seconds=time.perf_counter() - started))
+
     try:
         base = random_model(shapes, jnp.dtype(dtype), layers)
+        phase("random weights made")
         batch_tokens = jnp.asarray(np.random.default_rng(0).integers(0, shapes["vocab_size"], (batch, tokens)),
                                    jnp.int32)
         if what == "floor":
@@ -313,18 +340,24 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
                     embeddings)
 
             start = time.perf_counter()
-            compiled = jax.jit(floor).lower(params, batch_tokens).compile()
+            lowered = jax.jit(floor).lower(params, batch_tokens)
+            phase("lowered")
+            compiled = lowered.compile()
             call = lambda: compiled(params, batch_tokens)  # noqa: E731
         else:
             mesh = sharding.make_mesh()
             model = linjax.linearize(base, recipe, seed=1)
+            phase("linearized")
             optimizer, _ = make_optimizer(settings, recipe.adapter)
             graphdef, trainable, opt_state, frozen, _ = place_train_state(model, optimizer, mesh)
             del model, base
+            phase("train state placed")
             train_step = make_train_step(graphdef, optimizer, "ce", mesh, remat=settings.remat_policy(),
                                          loss_chunk=settings.loss_chunk_size())
             start = time.perf_counter()
-            compiled = train_step.lower(trainable, opt_state, frozen, batch_tokens).compile()
+            lowered = train_step.lower(trainable, opt_state, frozen, batch_tokens)
+            phase("lowered")
+            compiled = lowered.compile()
             state = [trainable, opt_state]
 
             def call():
@@ -333,6 +366,7 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
                 return metrics
 
         row["compile_s"] = time.perf_counter() - start
+        phase("compiled")
         gc.collect()
         memory = compiled.memory_analysis()
         if memory is not None:
@@ -377,7 +411,7 @@ def part_torch(args, sizes):
                                  num_hidden_layers=shapes["num_hidden_layers"],
                                  num_attention_heads=shapes["num_attention_heads"],
                                  num_key_value_heads=shapes["num_key_value_heads"], head_dim=shapes["head_dim"],
-                                 rms_norm_eps=shapes["rms_norm_eps"], tie_word_embeddings=shapes["tie_word_embeddings"],
+                                 rms_norm_eps=shapes["rms_norm_eps"], tie_word_embeddings=shapes.get("tie_word_embeddings", False),
                                  max_position_embeddings=max(tokens, 8192), attn_implementation="sdpa")
             torch.manual_seed(0)
             default_dtype = torch.get_default_dtype()
@@ -570,6 +604,12 @@ def markdown(data) -> str:
                          f"| {r.get('batch', '')} × {r.get('T', '')} | {r.get('layers', '')} | {r.get('dtype', '')} "
                          f"| – | – | – |")
             lines[-1] += f" {gb(r, 'peak_bytes_in_use')} | {s(r, 'projected_paper_run_h')} |"
+    phases = [r for r in rows if r["part"] == "train-phase"]
+    if phases:
+        lines += ["", "## Training parts, stage by stage (seconds since the part started)", "",
+                  "| model | what | batch × T | stage | s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['what']} | {r['batch']} × {r['T']} | {r['phase']} | {r['seconds']:.1f} |"
+                  for r in phases]
     kernels = [r for r in rows if r["part"] in ("kernels", "fla", "fla-warmup")]
     if kernels:
         lines += ["", "## Kernels", "", "| mechanism | method | T | forward ms | forward + backward ms | "

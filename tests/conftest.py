@@ -83,6 +83,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
 
 
+def pytest_runtest_logreport(report):
+    """With LINJAX_INSTANT_FAILURES=1 (bench/gpu_check.py sets it), each failure's last line is
+    printed as it happens, not in the summary at the end, so a run stopped at its time limit keeps
+    its failures' messages."""
+    if report.failed and os.environ.get("LINJAX_INSTANT_FAILURES") == "1":
+        lines = [line for line in str(report.longrepr).splitlines() if line.strip()]
+        print(f"\nINSTANT-FAILURE {report.nodeid} :: {(lines[-1] if lines else '')[:400]}", flush=True)
+
+
 def data_dir() -> str | None:
     """`$LINJAX_DATA_DIR`, else ../shared/data beside the project, else None."""
     path = os.environ.get("LINJAX_DATA_DIR") or os.path.join(ROOT, "..", "shared", "data")

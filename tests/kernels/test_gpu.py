@@ -11,9 +11,11 @@ machine, `python bench/gpu_check.py` runs them (docs/gpu.md), or alone:
 `test_input_gradients_match_reference` draws fresh inputs each run (the seed is in its
 failure message; LINJAX_GPU_CHECK_SEED fixes it).
 
-The fp32 tolerances assume full-precision in-kernel dots (fp32 operands at Precision.HIGHEST in
-swa_pallas.py and chunk_states_pallas.py): with Triton's default TF32 they would fail here by
-orders of magnitude.
+The fp32 tolerances assume full-precision dots: inside the Pallas kernels (fp32 operands at
+Precision.HIGHEST in swa_pallas.py and chunk_states_pallas.py), and in the XLA code around them
+and in `reference`, which on a GPU run fp32 dots as TF32 unless told otherwise: every test here
+runs under `jax.default_matmul_precision("highest")` (on the first H100 run, without it, every fp32
+case failed and every bf16 case passed).
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ FRESH_SEED = int(os.environ.get("LINJAX_GPU_CHECK_SEED") or random.SystemRandom(
 # ~3 significant digits, and a chunked form's sums round differently from the recurrence's.
 GRAD_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 FORWARD_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def full_precision_fp32_dots():
+    """XLA on a GPU runs fp32 dots as TF32 by default (about 3 significant digits): the reference
+    and the kernels' XLA parts at full precision, so the fp32 tolerances measure the kernels."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def kernel_case(mech, dtype, seed):
