@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 
+PROCESS_START = time.perf_counter()
 # Run as a script, bench/ is sys.path[0], and bench/kernels.py would shadow the PyPI `kernels`
 # package that transformers probes for at import.
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -307,6 +308,12 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
     from linjax.train.loop import make_optimizer, make_train_step, place_train_state
     from linjax.train.objectives import embedding_floor_loss
 
+    started = time.perf_counter()
+
+    def phase(name):  # a row per stage, so a part stopped at its limit shows where it was
+        append_row(args.out, dict(part="train-phase", model=model_name, what=what, batch=batch, T=tokens,
+                                  layers=layers, phase=name, seconds=time.perf_counter() - started))
+
     shapes = model_shapes(model_name, args.smoke)
     layers = layers or shapes["num_hidden_layers"]
     dtype = ModelSection().dtype  # "auto": bf16 frozen weights on a GPU
@@ -316,12 +323,7 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
                total_layers=shapes["num_hidden_layers"], dtype=dtype, remat=settings.remat_policy(),
                loss_chunk=settings.loss_chunk_size(), kernel=recipe.kernel if what == "recipe" else None,
                resolved_kernel=("pallas" if recipe.uses_pallas() else "chunked") if what == "recipe" else None)
-    started = time.perf_counter()
-
-    def phase(name):  # a row per stage, so a part stopped at its limit shows where it was
-        append_row(args.out, dict(part="train-phase", model=model_name, what=what, batch=batch, T=tokens,
-                                  layers=layers, phase=name, seconds=time.perf_counter() - started))
-
+    phase(f"started ({started - PROCESS_START:.1f} s of imports)")
     try:
         base = random_model(shapes, jnp.dtype(dtype), layers)
         phase("random weights made")
@@ -474,8 +476,10 @@ def schedule(sizes, smoke):
             *kernels[:1], *train[2:4], *kernels[1:], ("fla", ["fla"], sizes["fla_limit"]), *train[4:]]
 
 
-def start_part(args, label, part_argv, env) -> subprocess.Popen:
+def start_part(args, label, part_argv, env, limit=None) -> subprocess.Popen:
     command = [sys.executable, os.path.abspath(__file__), "--part", *part_argv, "--out", args.out]
+    if limit is not None and limit > 10:  # the part prints every thread's stack just before its limit
+        command += ["--stacks-after", f"{limit - 4:.0f}"]
     if args.smoke:
         command.append("--smoke")
     print(f"== {label}", flush=True)
@@ -497,7 +501,7 @@ def wait_part(process, limit) -> int | None:
 def run_part(args, label, part_argv, limit, env) -> tuple[int | None, float]:
     """Runs one part in its own process; (exit status or None if it ran out of time, seconds)."""
     start = time.perf_counter()
-    status = wait_part(start_part(args, f"{label} (limit {limit:.0f} s)", part_argv, env), limit)
+    status = wait_part(start_part(args, f"{label} (limit {limit:.0f} s)", part_argv, env, limit), limit)
     return status, time.perf_counter() - start
 
 
@@ -631,6 +635,7 @@ def parse_args(argv=None):
     p.add_argument("--parts", default=None, help="comma-separated subset of: tests,train,torch,kernels,fla")
     p.add_argument("--cache", default="~/.cache/linjax-gpu-check", help="JAX and Triton compilation caches")
     p.add_argument("--part", nargs="+", default=None, help=argparse.SUPPRESS)  # one part, in a child process
+    p.add_argument("--stacks-after", type=float, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -646,6 +651,9 @@ def main(argv=None):
             sys.exit(2)
         return driver(args)
     sizes = SMOKE if args.smoke else FULL
+    if args.stacks_after:  # a part that is about to be stopped shows where it was (in the log)
+        import faulthandler
+        faulthandler.dump_traceback_later(args.stacks_after, exit=False)
     name, *rest = args.part
     if name == "tests":
         part_tests(args, sizes)
