@@ -57,6 +57,15 @@ def test_prefill_then_decode_equals_one_pass(kind, window, sinks):
     assert_decode_equals_one_pass(liger_model(kind, window=window, sinks=sinks, combine=combine))
 
 
+def test_pallas_kernels_inside_the_model_match_chunked():
+    """The Pallas GLA kernel takes the pooled-key log α as it takes the low-rank one (interpreted on CPU)."""
+    chunked = liger_model("qwen3", window=8, kernel="chunked")
+    pallas = liger_model("qwen3", window=8, kernel="pallas")
+    tokens = tokens_for(chunked, 40, seed=6)
+    assert relative_rms(np.asarray(jitted(pallas)[0](tokens)), np.asarray(jitted(chunked)[0](tokens))) <= 1e-5
+    assert "linjax_chunk_states_fwd" in str(jax.make_jaxpr(lambda t: pallas(t))(tokens))
+
+
 def test_the_gate_has_no_parameters():
     """The count drops by the low-rank gate's W1 [d, 16], W2 [16, H·D] and bias [H·D], per layer."""
     liger = liger_model(layers=2)
@@ -148,3 +157,23 @@ def test_export_matches_linjax_without_jax(tmp_path):
             assert results[case]["class"] == "LinjaxForCausalLM"
         for cache in (0, 1):
             assert results[f"{name}-generate-cache{cache}"]["match"], f"{name}: greedy generation differs"
+
+
+def test_a_trained_run_with_the_gate_reloads_with_it_and_resumes_only_with_it(tiny_source, tmp_path):
+    from linjax import train
+    from linjax.experiment import from_dict
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"Document {i}: " + " word" * (20 + 9 * i)}) for i in range(8)))
+    raw = {"run_dir": str(tmp_path / "run"), "model": {"source": tiny_source},
+           "linearize": {**LIGER, "window": 8}, "data": {"paths": [str(corpus)]},
+           "train": dict(steps=2, seq_len=32, batch_size=2, warmup_steps=1, checkpoint_every=1, seed=3)}
+    trained = train.run(from_dict(raw), progress=False)
+    restored, _ = linjax.load(str(tmp_path / "run"))
+    assert restored.linearize_config.gate == "liger_pooled_key"
+    assert restored.linearize_config == trained.linearize_config
+    for a, b in zip(jax.tree.leaves(nnx.state(restored)), jax.tree.leaves(nnx.state(trained))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = {**raw, "linearize": {**raw["linearize"], "gate": "low_rank"}, "train": {**raw["train"], "steps": 3}}
+    with pytest.raises(ValueError, match="linearize.gate 'liger_pooled_key' → 'low_rank'"):
+        train.run(from_dict(other), resume=True, progress=False)
