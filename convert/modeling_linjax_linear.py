@@ -32,6 +32,7 @@ from .modeling_linjax_kernels import (causal_conv, chunked_form, expand_kv, fla_
                                       window_softmax_parts)
 
 KEY_GATE_FLOOR = 1e-6  # kGLA: 1 − β k² is floored here (kernels/kgla.py)
+LIGER_GATE_NORMALIZER = 16.0  # Liger-GLA's gate logit normaliser (linjax/mixers/gla.py)
 
 
 class LinearAttention(Attention):
@@ -160,19 +161,26 @@ class LinearAttention(Attention):
 
 
 class GLA(LinearAttention):
-    """S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ (paper, sec. 3.1.2), log α_t = LogSigmoid(h_t W1 W2 + b) per channel."""
+    """S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ (paper, sec. 3.1.2), log α_t = LogSigmoid(h_t W1 W2 + b) per channel;
+    with `linearize.gate` "liger_pooled_key", Liger's log α_t = LogSigmoid(k_proj(h_t)) / 16 per kv channel
+    (linjax/mixers/gla.py: Liger's pool keeps k_proj's width, so it is the identity), no gate tensors."""
 
     mechanism = "gla"
     fla_kernel = "gla"
 
     def __init__(self, config):
         super().__init__(config)
-        rank = int(config.linearize.get("gate_rank", 16))
-        self.gate_down = nn.Linear(config.hidden_size, rank, bias=False)
-        self.gate_up = nn.Linear(rank, self.num_heads * self.head_dim)
+        self.pooled_key_gate = config.linearize.get("gate", "low_rank") == "liger_pooled_key"
+        if not self.pooled_key_gate:
+            rank = int(config.linearize.get("gate_rank", 16))
+            self.gate_down = nn.Linear(config.hidden_size, rank, bias=False)
+            self.gate_up = nn.Linear(rank, self.num_heads * self.head_dim)
 
     def gates(self, h):
         b, t, _ = h.shape
+        if self.pooled_key_gate:  # k_proj holds LoRA's update, merged by the export
+            key = self.k_proj(h).float().view(b, t, self.num_kv_heads, self.head_dim)
+            return [expand_kv(F.logsigmoid(key) / LIGER_GATE_NORMALIZER, self.num_heads)]
         return [F.logsigmoid(self.gate_up(self.gate_down(h.float()))).view(b, t, self.num_heads, self.head_dim)]
 
     @staticmethod

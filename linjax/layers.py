@@ -105,6 +105,10 @@ class AttentionProjections(nnx.Module):
         y = getattr(self, name)(x)
         return y if lora is None else y + lora.delta(name, x)
 
+    def key_projection(self, x: jax.Array, lora=None) -> jax.Array:
+        """x [B,T,d] → the keys as k_proj (and LoRA) give them [B,T,Hkv·D], before q/k norm and RoPE."""
+        return self._project("k_proj", x, lora)
+
     def qkv(self, x: jax.Array, positions: jax.Array, lora=None):
         """x [B,T,d] → q [B,T,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D], after q/k norm and RoPE.
 

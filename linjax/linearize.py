@@ -45,6 +45,8 @@ def find_mixers() -> dict[str, type]:
 MIXERS = find_mixers()
 ADAPTERS = (None, "shortconv", "lora")
 COMBINES = ("sum", "mixed")
+# GLA's decay gate: the paper's low-rank projection of h, or Liger's, read from the key projection.
+GATES = ("low_rank", "liger_pooled_key")
 KERNELS = ("auto", "chunked", "pallas")
 
 
@@ -83,6 +85,9 @@ class LinearizeConfig:
     gate_bias: the decay gate's bias at initialisation (GLA, kGLA, GDN, gdn_scalar): 1 as in the
         paper, so α ≈ sigmoid(1) ≈ 0.73 at the start (a memory of about four tokens); larger values
         start with a longer memory (3: α ≈ 0.95, about twenty tokens).
+    gate: GLA's decay gate. "low_rank" (the paper's, with `gate_rank` and `gate_bias`) or
+        "liger_pooled_key" (Liger-GLA's: log α = LogSigmoid(pool(k_proj(h))) / 16 from the frozen,
+        LoRA-adapted key projection, no parameters of its own; linjax/mixers/gla.py).
     """
 
     mechanism: str = "gdn"
@@ -100,6 +105,7 @@ class LinearizeConfig:
     scale: float | str | None = 1.0
     output_gain: bool = False
     gate_bias: float = 1.0
+    gate: str = "low_rank"
 
     def __post_init__(self):
         if self.adapter in ("none", ""):  # TOML and the CLI have no None
@@ -108,6 +114,10 @@ class LinearizeConfig:
             raise ValueError(f"unknown mechanism {self.mechanism!r}; choose one of {sorted(MIXERS)}")
         if self.adapter not in ADAPTERS:
             raise ValueError(f"unknown adapter {self.adapter!r}; choose None, 'shortconv' or 'lora'")
+        if self.gate not in GATES:
+            raise ValueError(f"unknown gate {self.gate!r}; choose one of {list(GATES)}")
+        if self.gate != "low_rank" and self.mechanism != "gla":
+            raise ValueError(f"gate={self.gate!r} is a GLA gate; use mechanism='gla' or gate='low_rank'")
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r}; choose 'sum' or 'mixed'")
         if self.kernel not in KERNELS:

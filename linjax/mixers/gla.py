@@ -1,7 +1,15 @@
-"""GLA: S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ (paper, sec. 3.1.2), with the appendix's low-rank gate.
+"""GLA: S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ (paper, sec. 3.1.2), with one of two decay gates.
 
-log α_t = LogSigmoid(h_t W1 W2 + b), W1 ∈ R^{d×16}, W2 ∈ R^{16×(H·D)}, b initialised to 1
-(`LinearizeConfig.gate_bias`).
+`gate = "low_rank"` (the default), the paper's appendix: log α_t = LogSigmoid(h_t W1 W2 + b),
+W1 ∈ R^{d×16}, W2 ∈ R^{16×(H·D)}, b initialised to 1 (`LinearizeConfig.gate_bias`).
+
+`gate = "liger_pooled_key"`, Liger-GLA's (Lan et al. 2025): the gate reuses the frozen key
+projection, log α_t = LogSigmoid(Pool(k_proj(h_t))) / 16, and adds no parameters. Liger's pool is
+an adaptive average pool of k_proj's output to Hkv·D channels, the width it already has, so it
+is the identity: each key channel, before q/k norm and RoPE (with LoRA's update when there is
+one), is the logit of its own decay. Dividing by 16 (Liger's gate logit normaliser, as in GLA's
+original gate) keeps α near 1: α = sigmoid(k)^(1/16), 0.96 at k = 0. Query head h reads kv
+head h // (H / Hkv), as the keys do.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from flax import nnx
 from linjax.kernels import gla
 from linjax.layers import Trainable, torch_linear_init, torch_linear_tensors
 from linjax.mixers.linear import LinearMixer
+
+LIGER_GATE_NORMALIZER = 16.0
 
 
 class LowRankGate(nnx.Module):
@@ -31,19 +41,43 @@ class LowRankGate(nnx.Module):
         return jax.nn.log_sigmoid(logits).reshape(b, t, self.heads, self.head_dim)
 
 
+class PooledKeyGate(nnx.Module):
+    """Liger's log α = LogSigmoid(k) / 16 from the key projection's output k [B,T,Hkv·D]. No parameters."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def __call__(self, key):
+        b, t, _ = key.shape
+        logits = key.astype(jnp.float32).reshape(b, t, self.kv_heads, self.head_dim)
+        log_alpha = jax.nn.log_sigmoid(logits) / LIGER_GATE_NORMALIZER
+        return jnp.repeat(log_alpha, self.heads // self.kv_heads, axis=2)  # [B,T,H,D]
+
+
 class GLA(LinearMixer):
     mechanism = "gla"
     kernel = gla
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)
-        hidden = proj.q_proj.kernel.shape[0]
-        self.gate = LowRankGate(hidden, proj.num_heads, proj.head_dim, rank=settings.gate_rank,
-                                 bias=settings.gate_bias, rngs=rngs)
+        if settings.gate == "liger_pooled_key":
+            self.gate = PooledKeyGate(proj.num_heads, proj.num_kv_heads, proj.head_dim)
+        else:
+            hidden = proj.q_proj.kernel.shape[0]
+            self.gate = LowRankGate(hidden, proj.num_heads, proj.head_dim, rank=settings.gate_rank,
+                                     bias=settings.gate_bias, rngs=rngs)
+
+    def decay(self, h):
+        """log α [B,T,H,D] from the block input h [B,T,d]."""
+        if isinstance(self.gate, PooledKeyGate):
+            return self.gate(self.proj.key_projection(h, self.lora))
+        return self.gate(h)
 
     def gates(self, h, k):
-        return (self.gate(h),)
+        return (self.decay(h),)
 
     def mechanism_tensors(self, prefix):
+        if isinstance(self.gate, PooledKeyGate):  # the PyTorch mirror reads its (merged) k_proj
+            return {}
         return {**torch_linear_tensors(f"{prefix}.gate_down", self.gate.down),
                 **torch_linear_tensors(f"{prefix}.gate_up", self.gate.up, self.gate.bias)}
