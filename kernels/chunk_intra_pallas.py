@@ -23,7 +23,9 @@ into sub-chunks of 16 rows (Triton's smallest dot), each loaded from the refs as
 - T⁻¹ by forward substitution in blocks, [[P, 0], [X, Q]]⁻¹ = [[P⁻¹, 0], [−Q⁻¹XP⁻¹, Q⁻¹]], with each
   16 × 16 diagonal inverse by a 16-step row recursion, all in fp32 at full precision.
 - The dots of A's off-diagonal blocks, W and Ũ take operands in `dtype` (bf16 on tensor cores)
-  with fp32 accumulation; fp32 operands run at Precision.HIGHEST (IEEE, not TF32). Outputs are fp32.
+  with fp32 accumulation; fp32 operands run at Precision.HIGHEST (IEEE, not TF32).
+- W, Ũ and K⊙e^{G_C − G}, which only the state pass reads (it takes its operands in `dtype`), are
+  written in `dtype`; A^{qk}, Q⊙Γ and the chunk decay, read by the XLA outputs, in fp32.
 
 Backward: `jax.vjp` of the XLA function passed as `recompute` (gdn.in_chunk_xla), which computes the
 same outputs: exact gradients of the same function.
@@ -182,21 +184,21 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
             w = w + _dot(inverse[i, j], weighted_keys[j], dtype)
             u = u + _dot(inverse[i, j], weighted_values[j], dtype)
         rows = pl.ds(i * SUB, SUB)
-        w_ref[rows, :] = w
-        u_ref[rows, :] = u
+        w_ref[rows, :] = w.astype(w_ref.dtype)
+        u_ref[rows, :] = u.astype(u_ref.dtype)
         qg_ref[rows, :] = q[i] * gamma[i]
-        kd_ref[rows, :] = k[i] * to_end[i]
+        kd_ref[rows, :] = (k[i] * to_end[i]).astype(kd_ref.dtype)
 
 
 def _forward(q, k, v, log_gate, beta, dtype, interpret):
-    """[N, BH, C, D] inputs (D padded to tiles, the gate per channel) -> the six outputs, fp32."""
+    """[N, BH, C, D] inputs (D padded to tiles, the gate per channel) -> the six outputs."""
     N, BH, C, Dk = q.shape
     Dv = v.shape[-1]
     sq = pl.squeezed
     spec = lambda *tail: pl.BlockSpec((sq, sq, *tail), lambda n, bh: (n, bh) + (0,) * len(tail))
-    out_shape = [jax.ShapeDtypeStruct((N, BH, C, C), _F32), jax.ShapeDtypeStruct((N, BH, C, Dk), _F32),
-                 jax.ShapeDtypeStruct((N, BH, C, Dv), _F32), jax.ShapeDtypeStruct((N, BH, C, Dk), _F32),
-                 jax.ShapeDtypeStruct((N, BH, C, Dk), _F32), jax.ShapeDtypeStruct((N, BH, 1, Dk), _F32)]
+    out_shape = [jax.ShapeDtypeStruct((N, BH, C, C), _F32), jax.ShapeDtypeStruct((N, BH, C, Dk), dtype),
+                 jax.ShapeDtypeStruct((N, BH, C, Dv), dtype), jax.ShapeDtypeStruct((N, BH, C, Dk), _F32),
+                 jax.ShapeDtypeStruct((N, BH, C, Dk), dtype), jax.ShapeDtypeStruct((N, BH, 1, Dk), _F32)]
     return pl.pallas_call(
         functools.partial(_kernel, n_sub=C // SUB, dtype=dtype),
         out_shape=out_shape, grid=(N, BH),
@@ -230,7 +232,7 @@ def _in_chunk_forward(q, k, v, log_gate, beta, dtype, interpret, recompute):
 
 
 def _in_chunk_backward(dtype, interpret, recompute, inputs, cotangents):
-    return jax.vjp(recompute, *inputs)[1](cotangents)
+    return jax.vjp(recompute, *inputs)[1](tuple(c.astype(_F32) for c in cotangents))
 
 
 _in_chunk.defvjp(_in_chunk_forward, _in_chunk_backward)
@@ -239,8 +241,9 @@ _in_chunk.defvjp(_in_chunk_forward, _in_chunk_backward)
 def in_chunk(q, k, v, log_gate, beta, *, dtype, interpret, recompute):
     """q, k [N, B, H, C, Dk], v [N, B, H, C, Dv], log_gate [N, B, H, C, Dk or 1], beta [N, B, H, C],
     all fp32; C a multiple of 16. Returns `recompute`'s results (A^{qk} [.., C, C], W, Ũ, Q⊙Γ,
-    K⊙e^{G_C − G} [.., C, D], Γ_C [N, B, H, Dk]), fp32, computed by the kernel with dot operands in
-    `dtype`; gradients are `recompute`'s."""
+    K⊙e^{G_C − G} [.., C, D], Γ_C [N, B, H, Dk]) computed by the kernel with dot operands in `dtype`,
+    W, Ũ and K⊙e^{G_C − G} in `dtype` (what the state pass takes), the others fp32; gradients are
+    `recompute`'s."""
     C = q.shape[-2]
     if C % SUB:
         raise ValueError(f"the in-chunk kernel needs a chunk that is a multiple of {SUB}; got {C}")

@@ -60,6 +60,18 @@ def test_kernel_matches_the_xla_in_chunk_work(case):
         assert_close(g, w, 1e-5, name)
 
 
+def test_bf16_dots_and_outputs():
+    """With bf16 dot operands (a bf16 model), W, Ũ and K⊙e^{G_C − G} come out in bf16 (the state
+    pass's operand dtype), the rest in fp32, all within bf16 rounding of the fp32 XLA form."""
+    args = chunk_inputs(5, 2, 64, 32, 32, resets=True)
+    got = jax.jit(lambda *a: kernel(*a, dtype=jnp.bfloat16))(*args)
+    want = jax.jit(gdn.in_chunk_xla)(*args)
+    assert [g.dtype for g in got] == [jnp.float32, jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.bfloat16,
+                                      jnp.float32]
+    for name, g, w in zip(OUTPUTS, got, want):
+        assert_close(g.astype(jnp.float32), w, 1e-2, name)
+
+
 def test_kernel_gradients_are_the_xla_forms():
     """The custom_vjp's backward is jax.vjp of the XLA form: the same cotangents give the same
     gradients (the scalar gate's summed over the channels it was broadcast to)."""
