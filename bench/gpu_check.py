@@ -18,7 +18,8 @@ seconds), in this order, so a part that hangs or runs out of memory costs only i
               remat per layer, the loss in pieces, Pallas kernels); median step, first step
     torch     PyTorch's floor (transformers, SDPA) in fp32 and bf16 at the same shapes
     kernels   B 4, H 16, D 128, bf16, T 1,024 / 4,096 / 16,384 (one process each): GDN, GLA, kGLA
-              and sinks + window through the public kernel API by name ("pallas", "chunked"), and
+              and sinks + window through the public kernel API by name ("pallas", "chunked"), GDN's
+              Pallas form with its in-chunk work as batched XLA ("pallas, XLA in-chunk"), and
               cuDNN's causal softmax; forward and forward + backward
     fla       FLA's chunk_kda and chunk_gla (Triton, through PyTorch), when `fla` imports
 
@@ -32,6 +33,7 @@ skips most compilation. docs/gpu.md has the command for the lent GPU machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -203,6 +205,8 @@ def part_kernels(args, sizes, T: int):
     methods.insert(2 if T <= LONG_KERNEL_T else 1, ("softmax", "cudnn" if _has_cuda() else "xla"))
     if T <= LONG_KERNEL_T:  # the XLA form GPUs ran before FLA's decomposition: the baseline of issue 36
         methods.insert(2, ("gdn", "chunked, CPU form"))
+    if not args.smoke:  # the Pallas GDN with its in-chunk work as batched XLA, as before its K1 kernel
+        methods.insert(1, ("gdn", "pallas, XLA in-chunk"))
     for mech, kernel in methods:
         if mech == "softmax":
             fn = lambda q, k, v, impl=kernel: jax.nn.dot_product_attention(  # noqa: E731
@@ -210,6 +214,8 @@ def part_kernels(args, sizes, T: int):
             arrays = (q, k, v)
         elif kernel == "chunked, CPU form":
             fn, arrays = _gdn_cpu_form, mechanisms["gdn"][1]
+        elif kernel == "pallas, XLA in-chunk":
+            fn, arrays = functools.partial(gdn.pallas, intra="xla"), mechanisms["gdn"][1]
         else:
             module, arrays, settings = mechanisms[mech]
             fn = lambda *a, f=getattr(module, kernel), s=settings: f(*a, **s)  # noqa: E731

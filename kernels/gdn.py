@@ -14,7 +14,8 @@ Functions (docs/architecture.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.
-    pallas     `chunked`'s GPU form with its chunk-state pass as Pallas kernels (chunk_states_pallas.py).
+    pallas     `chunked`'s GPU form with its in-chunk work and chunk-state pass as Pallas kernels
+               (chunk_intra_pallas.py, chunk_states_pallas.py).
 All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 """
 
@@ -25,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import chunk_states, chunk_states_pallas, decay, scaling
+from linjax.kernels import chunk_intra_pallas, chunk_states, chunk_states_pallas, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
 from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
@@ -169,42 +170,55 @@ def _chunk_scan(q32, k32, v32, la, beta32, S0, *, chunk):
 #   (K1) the decays, A^{qk}, T⁻¹, W = T⁻¹Diag(β)(K⊙Γ), Ũ = T⁻¹Diag(β)V, Q⊙Γ and K⊙e^{G_C − G};
 #   (K2) one pass over the chunks carrying only the state, two matmuls a chunk (chunk_states.py);
 #   (K3) every chunk's outputs o = (Q⊙Γ) S_n + A^{qk} U_n from the states K2 returns.
-# `pallas` runs the same K1 and K3 with K2 as a Pallas kernel (chunk_states_pallas.py).
+# `pallas` runs K1 and K2 as Pallas kernels (chunk_intra_pallas.py, chunk_states_pallas.py), K3 as here.
 GPU_CHUNK = 64
 
 
-def _chunks_then_states(q32, k32, v32, la, beta32, S0, *, chunk, state_pass, min_chunk=1):
-    """K1, K2 (`state_pass`, chunk_states.scan's signature), K3 on fp32 inputs as `_prepare` gives
-    them. Returns the unscaled outputs [B,T,H,Dv] and the final state. `min_chunk` raises the chunk
-    of a short input (a Pallas dot needs 16 rows)."""
-    T = q32.shape[1]
-    C = max(decay.chunk_length(chunk, T), min(min_chunk, chunk))
-    heads_first = lambda x: jnp.swapaxes(decay.to_chunks(x, C), 2, 3)          # [N,B,H,C,...]
-    q, k, v, la, beta = map(heads_first, (q32, k32, v32, la, beta32))
+def in_chunk_xla(q, k, v, la, beta):
+    """K1 as batched XLA operations on [..., C, D] fp32 blocks (any leading axes):
+    (A^{qk} [..., C, C], W, Ũ, Q⊙Γ, K⊙e^{G_C − G} [..., C, D], Γ_C [..., Dg])."""
     tree, from_start, to_end = decay.chunk_factors(la)
     a_qk, t_inv = decay.causal_scores(q, k, tree, beta)
     t_inv = scaling.scale_cols(t_inv, beta)
-    w, u_tilde = t_inv @ (k * from_start), t_inv @ v
-    states, u, S_final = state_pass(k * to_end, u_tilde, w, from_start[..., -1, :], S0)
-    o = (q * from_start) @ states + a_qk @ u
+    return a_qk, t_inv @ (k * from_start), t_inv @ v, q * from_start, k * to_end, from_start[..., -1, :]
+
+
+def _chunks_then_states(q32, k32, v32, la, beta32, S0, *, chunk, state_pass, in_chunk=in_chunk_xla, min_chunk=1):
+    """K1 (`in_chunk`, in_chunk_xla's signature), K2 (`state_pass`, chunk_states.scan's signature), K3
+    on fp32 inputs as `_prepare` gives them. Returns the unscaled outputs [B,T,H,Dv] and the final
+    state. `min_chunk` raises the chunk of a short input (a Pallas dot needs 16 rows)."""
+    T = q32.shape[1]
+    C = max(decay.chunk_length(chunk, T), min(min_chunk, chunk))
+    heads_first = lambda x: jnp.swapaxes(decay.to_chunks(x, C), 2, 3)          # [N,B,H,C,...]
+    a_qk, w, u_tilde, q_gated, k_out, chunk_decay = in_chunk(*map(heads_first, (q32, k32, v32, la, beta32)))
+    states, u, S_final = state_pass(k_out, u_tilde, w, chunk_decay, S0)
+    o = q_gated @ states + a_qk @ u
     return decay.from_chunks(jnp.swapaxes(o, 2, 3), T), S_final
 
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
+IN_CHUNK_FORMS = ("pallas", "xla")
 
-def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` in FLA's decomposition with the chunk-state pass as Pallas (Triton) kernels; same
-    arguments and results (per-channel or scalar gate). The in-chunk work (K1) and the outputs (K3)
-    are `_chunks_then_states`' batched XLA operations; the state pass (K2) and its reverse are
-    chunk_states_pallas.py, with dot operands in v's dtype. `chunk`: a power of two ≥ 16.
+
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None,
+           intra="pallas"):
+    """`chunked` in FLA's decomposition with Pallas (Triton) kernels; same arguments and results
+    (per-channel or scalar gate). The in-chunk work (K1) is chunk_intra_pallas.py's kernel
+    (intra="pallas", gradients through `in_chunk_xla`) or `in_chunk_xla`'s batched XLA operations
+    (intra="xla"); the state pass (K2) and its reverse are chunk_states_pallas.py; the outputs (K3)
+    are batched XLA. Dot operands are in v's dtype. `chunk`: a power of two ≥ 16.
     interpret=None runs the Pallas interpreter when the default backend is CPU."""
     check_pallas_chunk(chunk)
+    if intra not in IN_CHUNK_FORMS:
+        raise ValueError(f"intra must be one of {IN_CHUNK_FORMS}; got {intra!r}")
     if q.shape[1] == 0:
         raise ValueError("sequence length T must be at least 1")
     q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
-    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype,
-                                   interpret=default_interpret(interpret))
+    interpret = default_interpret(interpret)
+    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype, interpret=interpret)
+    in_chunk = in_chunk_xla if intra == "xla" else functools.partial(
+        chunk_intra_pallas.in_chunk, dtype=v.dtype, interpret=interpret, recompute=in_chunk_xla)
     o, S_final = _chunks_then_states(q32, k32, v32, la, beta32, S0, chunk=chunk, state_pass=state_pass,
-                                     min_chunk=PALLAS_MIN_CHUNK)
+                                     in_chunk=in_chunk, min_chunk=PALLAS_MIN_CHUNK)
     return (o * scale).astype(v.dtype), S_final

@@ -7,7 +7,8 @@ call has no stable export guarantee, hence its disabled safety check.
 Shapes: T not a multiple of the chunk, GQA (H = 4, Hkv = 2) and Dv = 128 (two
 Dv blocks per head); bf16 and fp32. GLA, kGLA, linear attention and GDN run the
 chunk-state pass (chunk_states_pallas.py) as their Pallas kernel, forward and,
-through `jax.grad` of `pallas`, its reverse.
+through `jax.grad` of `pallas`, its reverse; GDN also its in-chunk kernel
+(chunk_intra_pallas.py), whose gradient is batched XLA.
 """
 
 from __future__ import annotations
@@ -41,21 +42,23 @@ def shapes(dtype, D, *, beta=False, scalar_gate=False, T=T):
 
 
 STATES_FWD, STATES_BWD = "linjax_chunk_states_fwd", "linjax_chunk_states_bwd"
+GDN_IN_CHUNK = "linjax_gdn_in_chunk_fwd"
 CASES = {
-    "gla": (lambda *a: gla.pallas(*a, interpret=False), {}, STATES_FWD),
-    "kgla": (lambda *a: kgla.pallas(*a, interpret=False), {"beta": True}, STATES_FWD),
-    "gdn": (lambda *a: gdn.pallas(*a, interpret=False), {"beta": True}, STATES_FWD),
+    "gla": (lambda *a: gla.pallas(*a, interpret=False), {}, (STATES_FWD,)),
+    "kgla": (lambda *a: kgla.pallas(*a, interpret=False), {"beta": True}, (STATES_FWD,)),
+    "gdn": (lambda *a: gdn.pallas(*a, interpret=False), {"beta": True}, (GDN_IN_CHUNK, STATES_FWD)),
     "gdn_scalar_gate": (lambda *a: gdn.pallas(*a, interpret=False),
-                        {"beta": True, "scalar_gate": True}, STATES_FWD),
+                        {"beta": True, "scalar_gate": True}, (GDN_IN_CHUNK, STATES_FWD)),
+    "gdn_xla_in_chunk": (lambda *a: gdn.pallas(*a, interpret=False, intra="xla"), {"beta": True}, (STATES_FWD,)),
 }
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mech", list(CASES))
 def test_linear_kernels_lower_to_triton(mech, dtype):
-    fn, extra, kernel_name = CASES[mech]
+    fn, extra, kernel_names = CASES[mech]
     text = exported_text(fn, *shapes(jnp.dtype(dtype), 128, **extra))
-    assert text.count(TRITON_CALL) == 1 and kernel_name in text
+    assert text.count(TRITON_CALL) == len(kernel_names) and all(name in text for name in kernel_names)
 
 
 def test_linear_attn_lowers_to_triton():
@@ -75,15 +78,16 @@ def test_swa_lowers_to_triton(sinks, window):
 @pytest.mark.parametrize("scalar_gate", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gdn_backward_lowers_to_triton(dtype, scalar_gate):
-    """jax.grad of gdn.pallas exports for CUDA with the state pass and its reverse as Triton calls
-    (the forward pass is needed by the gradient: its states feed the outputs)."""
+    """jax.grad of gdn.pallas exports for CUDA with the in-chunk kernel, the state pass and its
+    reverse as Triton calls (the forward pass is needed by the gradient: its states feed the outputs;
+    the in-chunk work's gradient is batched XLA)."""
     def loss(*args):
         o, state = gdn.pallas(*args, interpret=False)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
 
     args = shapes(jnp.dtype(dtype), 128, beta=True, scalar_gate=scalar_gate)
     text = exported_text(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert text.count(TRITON_CALL) == 2 and STATES_FWD in text and STATES_BWD in text
+    assert text.count(TRITON_CALL) == 3 and all(name in text for name in (GDN_IN_CHUNK, STATES_FWD, STATES_BWD))
 
 
 def gla_loss(*args):
@@ -111,16 +115,19 @@ def test_kgla_backward_lowers_to_triton():
     assert text.count(TRITON_CALL) == 2 and STATES_BWD in text
 
 
-def kernel_dots(fn, *args):
-    """The dot_general equations inside every pallas_call of fn's jaxpr (the kernel bodies)."""
+def kernel_dots(fn, *args, kernel=""):
+    """The dot_general equations inside every pallas_call of fn's jaxpr (the kernel bodies) whose
+    name contains `kernel`."""
     dots = []
 
     def walk(jaxpr, inside_kernel):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general" and inside_kernel:
                 dots.append(eqn)
+            entering = eqn.primitive.name == "pallas_call" and kernel in str(
+                eqn.params.get("name", eqn.params.get("name_and_src_info")))
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub, inside_kernel or eqn.primitive.name == "pallas_call")
+                walk(sub, inside_kernel or entering)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
     return dots
@@ -146,9 +153,9 @@ LINEAR_KERNELS = [*CASES, "gla_backward", "gdn_backward"]
 def test_state_pass_dots_take_the_model_dtype_and_accumulate_in_fp32(mech, dtype):
     """Every dot inside the chunk-state kernels takes operands in the inputs' dtype (bf16: tensor
     cores) and accumulates in fp32; bf16 dots at the default precision, fp32 ones at HIGHEST (IEEE
-    fp32, not TF32)."""
+    fp32, not TF32). (GDN's in-chunk kernel also has fp32 dots in bf16 models: its triangular solve.)"""
     fn, args = linear_kernel_program(mech, jnp.dtype(dtype))
-    dots = kernel_dots(fn, *args)
+    dots = kernel_dots(fn, *args, kernel="linjax_chunk_states")
     assert dots, "no dot found inside the kernel: the jaxpr walk is broken"
     for eqn in dots:
         assert {str(x.aval.dtype) for x in eqn.invars} == {dtype}
@@ -180,7 +187,7 @@ def test_kernel_programs_do_not_grow_with_the_sequence(mech):
     """The chunks are a loop inside each kernel, not unrolled: the same kernel bodies at T 200
     and T 2,000 (compile time independent of T)."""
     sizes = [kernel_sizes(fn, *args) for fn, args in (linear_kernel_program(mech, jnp.bfloat16, T=t) for t in (200, 2000))]
-    assert len(sizes[0]) == 2 and sizes[0] == sizes[1]
+    assert len(sizes[0]) == {"gdn_backward": 3, "gla_backward": 2}[mech] and sizes[0] == sizes[1]
 
 
 def test_swa_dots_run_at_full_fp32_precision():
