@@ -95,6 +95,9 @@ def evaluations(row, model):
         "perplexity": (os.path.join(out, "wikitext2.json"), linjax + [
             "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
             "--seq-len", "1024", "--max-windows", "64", "--out", os.path.join(out, "wikitext2.json")]),
+        "perplexity-full": (os.path.join(out, "wikitext2-full.json"), linjax + [
+            "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
+            "--seq-len", "1024", "--whole-file", "--out", os.path.join(out, "wikitext2-full.json")]),
         "lambada": (os.path.join(out, "lambada", "lm_eval_results.json"), linjax + [
             "lm-eval", model, "--tasks", "lambada_openai", "--limit", "1000", "--data-dir", DATA,
             "--out", os.path.join(out, "lambada"), "--resume"]),
@@ -305,7 +308,7 @@ def main():
     sub.add_parser("status")
     ev = sub.add_parser("evaluate")
     ev.add_argument("rows", nargs="+")
-    ev.add_argument("--only", default="", help="comma-separated: perplexity,lambada,niah,approx")
+    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-full,lambada,niah,approx")
     sub.add_parser("report")
     args = parser.parse_args()
     if args.command == "evaluate":
