@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tomllib
+
+import numpy as np
 
 from linjax.files import write_text
 
@@ -34,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DATA = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 STEPS = 2000
+BOOTSTRAP_DRAWS = 10_000
 
 # row -> what it tests; trained rows have configs/claims/<row>.toml and results/runs/<row>/.
 ROWS = {
@@ -147,6 +151,8 @@ def metrics_of(row):
     m = {}
     ppl = _load(os.path.join(out, "wikitext2.json"))
     m["ppl"] = ppl["results"][0]["perplexity"] if ppl else None
+    whole = _load(os.path.join(out, "wikitext2-full.json"))
+    m["ppl_whole_file"] = whole["results"][0]["perplexity"] if whole else None
     lam = _load(os.path.join(out, "lambada", "lm_eval_results.json"))
     lam = lam and lam["results"].get("lambada_openai")
     m["lambada_acc"] = 100 * lam["acc,none"] if lam else None
@@ -168,6 +174,46 @@ def metrics_of(row):
             losses = [json.loads(line)["loss"] for line in f if line.strip()]
         m["loss_last100"] = statistics.fmean(losses[-100:]) if losses else None
     return m
+
+
+def per_window(row):
+    """The row's whole-file WikiText-2 per-window results ({'article', 'nll', 'tokens', ...}), or None."""
+    loaded = _load(os.path.join(eval_dir(row), "wikitext2-full.windows.json"))
+    return loaded and loaded["results"][0]
+
+
+def paired_bootstrap(a, b, draws=BOOTSTRAP_DRAWS, seed=0):
+    """(point, low, high): log-perplexity of `a` minus that of `b`, scored on the same windows, with its
+    95% percentile interval from resampling articles with replacement (both rows draw the same
+    articles: the comparison is paired, and windows of one article are not independent)."""
+    if a["tokens"] != b["tokens"] or a["article"] != b["article"]:
+        raise ValueError("the two rows were not scored on the same windows")
+    articles = np.asarray(a["article"])
+    index = {k: i for i, k in enumerate(sorted(set(a["article"])))}
+    which = np.array([index[k] for k in articles])
+    difference = np.bincount(which, np.subtract(a["nll"], b["nll"]))  # per article: NLL sums, tokens
+    tokens = np.bincount(which, np.asarray(a["tokens"], np.float64))
+    # How often each article is drawn, in each of `draws` resamples of as many articles as there are.
+    counts = np.random.default_rng(seed).multinomial(len(tokens), np.full(len(tokens), 1 / len(tokens)), size=draws)
+    samples = (counts @ difference) / (counts @ tokens)
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return float(difference.sum() / tokens.sum()), float(low), float(high)
+
+
+def interval_verdict(interval):
+    """A claim that row `better` is better holds when the whole interval of log ppl(better) - log
+    ppl(worse) is below 0, does not hold when it is above 0, and is undecided when it spans 0."""
+    if interval is None:
+        return "undecided (no per-window results)"
+    _, low, high = interval
+    return "holds" if high < 0 else "does not hold" if low > 0 else "undecided (interval spans 0)"
+
+
+def fmt_interval(interval):
+    if interval is None:
+        return "—"
+    point, low, high = interval
+    return f"{point:+.4f} [{low:+.4f}, {high:+.4f}] (ppl ×{math.exp(point):.3f})"
 
 
 def fmt(x, digits=2):
@@ -224,30 +270,43 @@ def report():
              "AdamW 2e-3, cosine with 100 warm-up steps, seed 1. The paper's figures are LAMBADA accuracy on "
              "Llama-3.1-8B / Qwen3-8B after 20M tokens; linjax's are WikiText-2 perplexity (lower is better) "
              "and LAMBADA accuracy on SmolLM2-135M.", "",
-             "| row | trained steps | train loss (last 100) | WikiText-2 ppl | LAMBADA acc | LAMBADA ppl | "
+             "| row | trained steps | train loss (last 100) | WikiText-2 ppl (64 windows) | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
              + " | ".join(k.replace("niah_single_", "S-NIAH-") for k in niah_keys)
              + " | nMSE (mean of layers) | nMSE tokens 1-8 | nMSE tokens 64+ |",
-             "|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
+             "|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
     for row, what in ROWS.items():
         m = metrics[row]
         steps, finished = training_state(row)
         trained = ("—" if steps is None else "not started" if not steps else
                    f"{steps:,}" + ("" if finished else f" of {planned_steps(row):,} (training)"))
         lines.append(f"| **{row}**: {what} | {trained} | {fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
+                     f"{fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} | {fmt(m['lambada_ppl'])} | "
                      + " | ".join(fmt(m.get(k), 0) for k in niah_keys)
                      + f" | {fmt(m.get('nmse'), 3)} | {fmt(m.get('nmse_first8'), 3)} | {fmt(m.get('nmse_after64'), 3)} |")
+    windows = {row: per_window(row) for row in ROWS}
     lines += ["", "## Claims", "",
-              "Seed spread: |ppl(seed 1) - ppl(seed 2)| of the final recipe = "
+              "Each claim is decided by WikiText-2 scored on the whole test file (every token once: "
+              "1,024-token windows and a shorter last one; `perplexity-full`), where both rows have per-window "
+              "results: the difference in log-perplexity, better row minus worse row (negative: the claim's "
+              f"direction), with its 95% interval from a paired bootstrap over the file's articles "
+              f"({BOOTSTRAP_DRAWS:,} draws, seed 0). It **holds** when the interval is below 0, **does not hold** "
+              "when it is above 0, and is **undecided** when it spans 0 or a row has no per-window results. "
+              "The interval is over the test text only; it says nothing about the training seed.", "",
+              "Earlier rule (first 64 windows): seed spread |ppl(seed 1) - ppl(seed 2)| of the final recipe = "
               + (f"{spread:.2f}" if spread is not None else "not yet measured (seed 2 pending)")
               + "; a perplexity gap no larger than that is not counted either way.", "",
-              "| claim | the paper | linjax, better row vs worse row: WikiText-2 ppl; LAMBADA acc | at this scale |",
-              "|---|---|---|---|"]
+              "| claim | the paper | linjax, better row vs worse row: WikiText-2 ppl (64 windows); LAMBADA acc | "
+              "whole file: Δ log-ppl [95% interval] | by the interval | earlier rule |",
+              "|---|---|---|---|---|---|"]
     for claim, paper, better, worse in CLAIMS:
         b, w = metrics[better], metrics[worse]
         ours = (f"{better} vs {worse}: {fmt(b['ppl'])} vs {fmt(w['ppl'])}; "
                 f"{fmt(b['lambada_acc'], 1)} vs {fmt(w['lambada_acc'], 1)}")
-        lines.append(f"| {claim} | {paper} | {ours} | {verdict(b, w, spread)} |")
+        interval = (paired_bootstrap(windows[better], windows[worse])
+                    if windows[better] and windows[worse] else None)
+        lines.append(f"| {claim} | {paper} | {ours} | {fmt_interval(interval)} | {interval_verdict(interval)} | "
+                     f"{verdict(b, w, spread)} |")
     earlier = _load(os.path.join(HERE, "wikitext2", "gdn-w56-s8-shortconv-after.json"))
     window = metrics["window-w56-s8"]["ppl"]
     if earlier and window:
@@ -255,13 +314,13 @@ def report():
         lines += [f"| the linear state adds to the window: an earlier, shorter run (the final recipe, 200 steps x 1,024 "
                   "tokens, results/wikitext2/gdn-w56-s8-shortconv-after.json; same 64 windows) | — | "
                   f"{ppl:.2f} vs window-only {window:.2f} ({100 * (1 - ppl / window):.1f}% lower) | "
-                  f"{'holds' if ppl < window else 'does not hold'} (one seed) |"]
+                  f"— | {interval_verdict(None)} | {'holds' if ppl < window else 'does not hold'} (one seed) |"]
     pure = metrics["gdn"]
     early = ("pending" if pure.get("nmse_first8") is None else
              ("holds" if pure["nmse_first8"] > pure["nmse_after64"] else "does not hold"))
     lines.append("| error is largest on early tokens (pure GDN, per-token nMSE) | Fig. 4c: highest at the first "
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
-                 f"{fmt(pure.get('nmse_after64'), 3)} | {early} |")
+                 f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | {early} |")
     lines += ablation_lines()
     path = write_text(os.path.join(HERE, "claims.md"), "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
