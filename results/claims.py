@@ -13,9 +13,10 @@ its table to claims.md.
 Every row is SmolLM2-135M linearized as configs/claims/ROW.toml says and trained 2,000 steps x 512
 tokens (`linjax train configs/claims/ROW.toml [--resume]`), except `original` (the full-attention
 model) and `window-w56-s8` (sinks + window softmax with no linear state: nothing to train). Every row
-is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens),
+is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens;
+`perplexity-full`: the whole file, every token once, with per-window results for the paired bootstrap),
 LAMBADA (OpenAI) accuracy and perplexity (the first 1,000 examples, lm-eval through `linjax eval
-lm-eval`), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
+lm-eval`; `lambada-full`: all 5,153, with per-example results in samples_lambada_openai.jsonl), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
 the original on Clean Alpaca (8 x 512 tokens). An evaluation already written is not run again.
 """
 
@@ -107,6 +108,9 @@ def evaluations(row, model):
         "lambada": (os.path.join(out, "lambada", "lm_eval_results.json"), linjax + [
             "lm-eval", model, "--tasks", "lambada_openai", "--limit", "1000", "--data-dir", DATA,
             "--out", os.path.join(out, "lambada"), "--resume"]),
+        "lambada-full": (os.path.join(out, "lambada-full", "lm_eval_results.json"), linjax + [
+            "lm-eval", model, "--tasks", "lambada_openai", "--data-dir", DATA, "--log-samples",
+            "--out", os.path.join(out, "lambada-full"), "--resume"]),
         "niah": (os.path.join(out, "niah.json"), linjax + [
             "ruler", model, "--tasks", ",".join(NIAH_TASKS), "--lengths", ",".join(map(str, NIAH_LENGTHS)),
             "--samples", str(NIAH_SAMPLES), "--out", os.path.join(out, "niah.json")]),
@@ -119,7 +123,7 @@ def evaluations(row, model):
 def is_done(name, path):
     """An evaluation counts as done once its output exists; lm-eval's file is written at the start of a
     resumable run too, so LAMBADA is done only when the file lists the task as finished."""
-    if name == "lambada":
+    if name in ("lambada", "lambada-full"):
         return "lambada_openai" in ((_load(path) or {}).get("finished_tasks") or [])
     return os.path.exists(path)
 
@@ -255,6 +259,10 @@ def metrics_of(row):
     m["lambada_acc"] = 100 * lam["acc,none"] if lam else None
     m["lambada_ppl"] = lam["perplexity,none"] if lam else None
     m["lambada_acc_stderr"] = 100 * lam["acc_stderr,none"] if lam else None
+    full = _load(os.path.join(out, "lambada-full", "lm_eval_results.json"))
+    full = full and "lambada_openai" in (full.get("finished_tasks") or []) and full["results"]["lambada_openai"]
+    m["lambada_full_acc"] = 100 * full["acc,none"] if full else None
+    m["lambada_full_ppl"] = full["perplexity,none"] if full else None
     niah = _load(os.path.join(out, "niah.json"))
     for r in (niah or {}).get("results", []):
         m[f"{r['task']}@{r['length']}"] = 100 * r["accuracy"]
@@ -406,9 +414,10 @@ def report():
              "(lower is better) and LAMBADA accuracy on SmolLM2-135M.", "",
              "| row | trained steps | seed | tokens trained | epochs (as read / of the unique tokens) | "
              "train loss (last 100) | WikiText-2 ppl (64 windows) | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
+             "LAMBADA acc / ppl (all 5,153) | "
              + " | ".join(k.replace("niah_single_", "S-NIAH-") for k in niah_keys)
              + " | nMSE (mean of layers) | nMSE tokens 1-8 | nMSE tokens 64+ |",
-             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
     for row, what in ROWS.items():
         m = metrics[row]
         trained, seed, tokens, epochs = training_columns(row, data)
@@ -416,6 +425,7 @@ def report():
                      f"{fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
                      f"{fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} | {fmt(m['lambada_ppl'])} | "
+                     f"{fmt(m['lambada_full_acc'], 1)} / {fmt(m['lambada_full_ppl'])} | "
                      + " | ".join(fmt(m.get(k), 0) for k in niah_keys)
                      + f" | {fmt(m.get('nmse'), 3)} | {fmt(m.get('nmse_first8'), 3)} | {fmt(m.get('nmse_after64'), 3)} |")
     windows = {row: per_window(row) for row in ROWS}
@@ -504,7 +514,7 @@ def main():
     sub.add_parser("status")
     ev = sub.add_parser("evaluate")
     ev.add_argument("rows", nargs="+")
-    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-full,lambada,niah,approx")
+    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-full,lambada,lambada-full,niah,approx")
     paired = sub.add_parser("evaluate-paired", help="perplexity-full of several rows, window by window in turn")
     paired.add_argument("rows", nargs="+")
     sub.add_parser("report")

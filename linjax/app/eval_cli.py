@@ -8,7 +8,7 @@
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
     linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B]
-        [--out DIR] [--resume | --overwrite] [--trust-remote-code]
+        [--out DIR] [--resume | --overwrite] [--log-samples] [--trust-remote-code]
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -119,7 +119,7 @@ def _lm_eval(args):
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
                                 num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=out,
                                 share_prefixes=not args.no_shared_prefixes, resume=args.resume,
-                                trust_remote_code=args.trust_remote_code)
+                                samples=args.log_samples, trust_remote_code=args.trust_remote_code)
     print(result["table_markdown"])
     print(f"→ {os.path.join(out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
 
@@ -220,6 +220,8 @@ def add_eval_parser(sub) -> None:
                             "latest default directory): its finished tasks and the requests it had scored are kept")
     again.add_argument("--overwrite", action="store_true",
                        help="replace the results an explicit --out holds (without it such an --out is refused)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write each task's per-example scores to --out/samples_<task>.jsonl")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run MODEL's own Python files (its config's auto_map) even when they are "
                         "not linjax's export code; without this flag only linjax's own modeling files run")
