@@ -469,9 +469,9 @@ def report():
                 f"{fmt(b['lambada_acc'], 1)} vs {fmt(w['lambada_acc'], 1)}")
         interval = scored = None
         if windows[better] and windows[worse]:
-            a, b = common_windows(windows[better], windows[worse])
-            interval = paired_bootstrap(a, b)
-            scored = (len(a["nll"]), len(set(a["article"])), WHOLE_FILE_WINDOWS)
+            better_windows, worse_windows = common_windows(windows[better], windows[worse])
+            interval = paired_bootstrap(better_windows, worse_windows)
+            scored = (len(better_windows["nll"]), len(set(better_windows["article"])), WHOLE_FILE_WINDOWS)
         lines.append(f"| {claim} | {paper} | {ours} | {fmt_interval(interval, scored)} | {interval_verdict(interval)} | "
                      f"{verdict(b, w, spread)} |")
     earlier = _load(os.path.join(HERE, "wikitext2", "gdn-w56-s8-shortconv-after.json"))

@@ -60,3 +60,21 @@ def test_rows_without_per_window_results_or_on_other_windows_are_not_compared(cl
     better, worse = scored_rows(-0.1)
     with pytest.raises(ValueError, match="same windows"):
         claims.paired_bootstrap(better, {**worse, "tokens": worse["tokens"][:-1]})
+
+
+def test_the_report_of_the_committed_rows(claims, monkeypatch):
+    """`report` on the committed rows (written to a string here, not to claims.md): every claim of two
+    evaluated rows has its earlier verdict and an interval verdict, and the header states the facts
+    the issue found missing."""
+    written = {}
+    monkeypatch.setattr(claims, "write_text", lambda path, text: written.setdefault("text", text) and path)
+    claims.report()
+    text = written["text"]
+    assert "10M tokens (2,500 steps x 4,096)" in text and "20M" not in text
+    assert "SmolLM2-135M-Instruct dequantised from the Q4_1 GGUF" in text
+    assert "| 1,000 + 1,000 | 1 then 2 |" in text  # the two-stage row's steps and seeds
+    for claim, *_ in claims.CLAIMS:
+        line = next(line for line in text.splitlines() if line.startswith(f"| {claim} |"))
+        by_interval, earlier = line.strip("| ").split(" | ")[-2:]
+        assert by_interval.split(" (")[0] in ("holds", "does not hold", "undecided")
+        assert earlier != "pending"
