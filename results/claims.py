@@ -407,8 +407,12 @@ def whole_file_lines(windows, metrics):
         first = ("fewer than 64 windows scored" if len(w["nll"]) < 64 else
                  f"first 64 windows {math.exp(sum(w['nll'][:64]) / sum(w['tokens'][:64])):.2f} "
                  f"(64-window evaluation {fmt(metrics[row]['ppl'])})")
+        nll, counts = np.asarray(w["position_nll"]), np.asarray(w["position_tokens"])
+        # input position p (predicting token p + 1) attends to tokens 0..p: all in a 64-token cache for p < 64
+        inside, beyond = (nll[:64].sum() / counts[:64].sum(), nll[64:].sum() / counts[64:].sum())
         lines.append(f"- {row}: {len(w['nll'])} of {WHOLE_FILE_WINDOWS} windows, {len(set(w['article']))} "
-                     f"articles; {first}")
+                     f"articles; {first}; NLL per token predicting tokens 1-64 of a window (all their context in the "
+                     f"64-token cache) {inside:.3f}, tokens 65-1,023 {beyond:.3f}")
     return lines
 
 
