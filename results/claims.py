@@ -145,6 +145,7 @@ def evaluate(rows, only):
 
 
 WIKITEXT = os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")
+SEQ_LEN = 1024  # every WikiText-2 evaluation of the claims rows
 
 
 def evaluate_paired(rows):
@@ -158,7 +159,7 @@ def evaluate_paired(rows):
 
     with open(WIKITEXT, encoding="utf-8") as f:
         text = f.read()
-    settings = {"data": os.path.abspath(WIKITEXT), "seq_len": 1024, "max_windows": None, "whole_file": True}
+    settings = {"data": os.path.abspath(WIKITEXT), "seq_len": SEQ_LEN, "max_windows": None, "whole_file": True}
     state = {}
     for row in rows:
         if row not in ROWS:
@@ -168,9 +169,13 @@ def evaluate_paired(rows):
             print(f"{row}: perplexity-full already in {os.path.relpath(summary_path, ROOT)}")
             continue
         model, tokenizer, description = load_model(model_argument(row))
-        windows, articles = text_windows(tokenizer, text, 1024, whole_file=True)
-        earlier = per_window(row) or {"nll": [], "tokens": [], "position_nll": [], "position_tokens": [],
-                                      "seconds": 0.0}
+        windows, articles = text_windows(tokenizer, text, SEQ_LEN, whole_file=True)
+        earlier = per_window(row) or {"nll": [], "tokens": [], "article": [], "position_nll": [],
+                                      "position_tokens": [], "seconds": 0.0}
+        n = len(earlier["nll"])
+        if earlier["tokens"] != [len(w) - 1 for w in windows[:n]] or earlier["article"] != articles[:n]:
+            sys.exit(f"{row}: eval/wikitext2-full.windows.json holds other windows than the whole file's; "
+                     "move it away to score the row again")
         state[row] = dict(scores=earlier, nll=token_nll_function(model), windows=windows, articles=articles,
                           description=description, seconds=earlier.get("seconds", 0.0))
     done = min((len(s["scores"]["nll"]) for s in state.values()), default=0)

@@ -78,3 +78,55 @@ def test_the_report_of_the_committed_rows(claims, monkeypatch):
         by_interval, earlier = line.strip("| ").split(" | ")[-2:]
         assert by_interval.split(" (")[0] in ("holds", "does not hold", "undecided")
         assert earlier != "pending"
+
+
+def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_path, tiny_source, tokenizer):
+    """`evaluate-paired` scores rows window by window, writes per-window results after each window, and a
+    rerun after a stop goes on from them to the results an uninterrupted run gives."""
+    import json
+
+    import linjax.eval.perplexity as perplexity
+
+    text = "".join(f" = Article {k} = \n" + f" Sentence {k} of the article about topic {k} .\n" * 3
+                   for k in range(3))
+    (tmp_path / "text.txt").write_text(text)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(claims, "SEQ_LEN", 32)
+    assert len(ids) > 2 * 32 and len(ids) % 32 >= 2  # full windows and a shorter last one
+    monkeypatch.setattr(claims, "WIKITEXT", str(tmp_path / "text.txt"))
+    monkeypatch.setattr(claims, "ROWS", {"first": "a row", "second": "the same model again"})
+    monkeypatch.setattr(claims, "model_argument", lambda row: tiny_source)
+
+    def scored(directory, row):
+        return json.loads((tmp_path / directory / row / "wikitext2-full.windows.json").read_text())
+
+    monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / "whole" / row))
+    claims.evaluate_paired(["first", "second"])
+    whole = scored("whole", "second")
+    assert whole["complete"] and whole["results"][0]["tokens"] == [31] * (len(ids) // 32) + [len(ids) % 32 - 1]
+    assert whole["results"][0]["nll"] == scored("whole", "first")["results"][0]["nll"]  # the same model
+
+    monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / "stopped" / row))
+    calls, score = [], perplexity.window_scores
+
+    def stop_at_the_third_window(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(perplexity, "window_scores", stop_at_the_third_window)
+    with pytest.raises(KeyboardInterrupt):
+        claims.evaluate_paired(["first", "second"])
+    stopped = scored("stopped", "second")
+    assert not stopped["complete"] and len(stopped["results"][0]["nll"]) == 1  # each row: its first window
+    assert not (tmp_path / "stopped" / "second" / "wikitext2-full.json").exists()
+    monkeypatch.setattr(perplexity, "window_scores", score)
+    claims.evaluate_paired(["first", "second"])
+    for row in ("first", "second"):
+        resumed, uninterrupted = scored("stopped", row)["results"][0], scored("whole", row)["results"][0]
+        assert resumed["tokens"] == uninterrupted["tokens"] and resumed["article"] == uninterrupted["article"]
+        for key in ("nll", "position_nll"):
+            np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-6)
+    summary = json.loads((tmp_path / "stopped" / "second" / "wikitext2-full.json").read_text())["results"][0]
+    assert summary["tokens"] == len(ids) - len(whole["results"][0]["tokens"])
