@@ -41,6 +41,7 @@ ROOT = os.path.dirname(HERE)
 DATA = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 STEPS = 2000
 BOOTSTRAP_DRAWS = 10_000
+FEW_ARTICLES = 20
 WHOLE_FILE_WINDOWS = 295  # WikiText-2's test file in SmolLM2's tokens: 294 windows of 1,024 and a shorter last one
 
 # row -> what it tests; trained rows have configs/claims/<row>.toml and results/runs/<row>/.
@@ -335,6 +336,8 @@ def fmt_interval(interval, scored=None):
     if scored:
         windows, articles, of = scored
         text += f"; {windows} windows in {articles} articles" + ("" if windows == of else f" (of {of}: partial)")
+        if articles < FEW_ARTICLES:  # a resample of k articles has few distinct outcomes: rough percentiles
+            text += "; few articles: a rough interval"
     return text
 
 
