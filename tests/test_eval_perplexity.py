@@ -144,3 +144,12 @@ def test_scores_window_by_window_merge_into_the_scores_of_all(tiny_source, token
     assert merged["tokens"] == together["tokens"] and merged["position_tokens"] == together["position_tokens"]
     np.testing.assert_allclose(merged["nll"], together["nll"], rtol=1e-5)
     np.testing.assert_allclose(merged["position_nll"], together["position_nll"], rtol=1e-5)
+
+
+def test_whole_file_and_a_window_limit_are_refused_together(tokenizer):
+    import pytest
+
+    from linjax.eval.perplexity import text_windows
+
+    with pytest.raises(ValueError, match="drop --max-windows"):
+        text_windows(tokenizer, ARTICLES, seq_len=16, max_windows=2, whole_file=True)
