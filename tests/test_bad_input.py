@@ -155,6 +155,7 @@ def test_a_special_token_outside_the_gguf_vocabulary_is_one_line(tmp_path):
     ('model.dtype="float64"', "model.dtype must be one of ['auto', 'float32', 'bfloat16', 'float16']"),
     ('data.paths="corpus.txt"', "data.paths must be a list"),
     ("data.shuffle_buffer=0", "data.shuffle_buffer must be"),
+    ("data.deduplicate=1", "data.deduplicate must be true or false"),
     ("eval.ruler_samples=0", "eval.ruler_samples must be"),
     ("eval.ruler_lengths=[1024, 0]", "eval.ruler_lengths[1] must be an integer ≥ 1"),
     ("eval.perplexity_seq_len=1", "eval.perplexity_seq_len must be an integer ≥ 2"),

@@ -309,3 +309,17 @@ def test_resume_inside_a_task_rescores_only_what_was_not_scored(tiny_source, sha
                                 resume=True)
     assert len(calls) == 3  # 6 questions, 3 scored before the kill
     assert result["results"]["arc_easy"] == reference["results"]["arc_easy"]
+
+
+def test_cli_log_samples_asks_for_per_example_results(monkeypatch, tmp_path):
+    """`linjax eval lm-eval --log-samples` (the claims rows' LAMBADA on all 5,153) writes samples_<task>.jsonl."""
+    from linjax.app import eval_cli
+    from linjax.app.cli import main
+
+    asked = []
+    monkeypatch.setattr(eval_cli.lm_eval_bridge, "run",
+                        lambda model, **options: asked.append(options) or {"table_markdown": "", "seconds": 0.0})
+    for flags in ([], ["--log-samples"]):
+        main(["eval", "lm-eval", "smollm2-135m", "--tasks", "lambada_openai", "--out", str(tmp_path / str(len(flags))),
+              *flags])
+    assert [options["samples"] for options in asked] == [False, True]

@@ -44,9 +44,13 @@ def training_files(paths) -> list[str]:
     return files
 
 
-def read_documents(paths, text_field: str = "text") -> list[str]:
-    """All non-empty documents of the given files and folders, in a fixed order."""
+def read_documents(paths, text_field: str = "text", deduplicate: bool = False) -> list[str]:
+    """All non-empty documents of the given files and folders, in a fixed order; with `deduplicate`,
+    each distinct text once, where it first appears (data sets assembled from overlapping sources
+    repeat documents, which training would then read more than once per epoch)."""
     documents = [d for path in training_files(paths) for d in read_file_documents(path, text_field) if d.strip()]
+    if deduplicate:
+        documents = list(dict.fromkeys(documents))
     if not documents:
         raise ValueError(f"no non-empty documents in {list(paths)}")
     return documents
@@ -55,8 +59,8 @@ def read_documents(paths, text_field: str = "text") -> list[str]:
 class LocalDocuments:
     """Documents held in memory; epoch e visits them in the permutation drawn from (seed, e)."""
 
-    def __init__(self, paths, text_field: str = "text"):
-        self.documents = read_documents(paths, text_field)
+    def __init__(self, paths, text_field: str = "text", deduplicate: bool = False):
+        self.documents = read_documents(paths, text_field, deduplicate)
 
     def iterate(self, seed: int, epoch: int, start: int):
         order = np.random.default_rng([seed, epoch]).permutation(len(self.documents))
@@ -123,5 +127,5 @@ def build_dataset(data_config, tokenizer, *, seq_len: int, batch_size: int, seed
         documents = StreamingDocuments(data_config.dataset, data_config.dataset_config, data_config.split,
                                        data_config.text_field, data_config.shuffle_buffer)
     else:
-        documents = LocalDocuments(data_config.paths, data_config.text_field)
+        documents = LocalDocuments(data_config.paths, data_config.text_field, data_config.deduplicate)
     return PackedTextDataset(documents, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed)

@@ -1,13 +1,14 @@
 """`linjax eval ...`: one subcommand per evaluation; each writes its results to files.
 
-    linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N] [--out F.json]
+    linjax eval perplexity MODEL [MODEL ...] --data FILE [--seq-len 1024] [--max-windows N | --whole-file]
+        [--out F.json]   (per-window results beside it, in F.windows.json)
     linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
     linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
     linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B]
-        [--out DIR] [--resume | --overwrite] [--trust-remote-code]
+        [--out DIR] [--resume | --overwrite] [--log-samples] [--trust-remote-code]
 
 MODEL: see `linjax.eval.models.load_model`.
 """
@@ -22,7 +23,7 @@ from linjax.app.arguments import (names_list, non_negative_int, optional_positiv
                                   positive_ints)
 from linjax.eval import approx, diagnostics, lm_eval_bridge, ruler, select_layers
 from linjax.eval.models import load_model
-from linjax.eval.perplexity import perplexity, token_windows
+from linjax.eval.perplexity import summary, text_windows, window_scores
 from linjax.files import write_json
 
 
@@ -40,25 +41,36 @@ def _add_overwrite(parser) -> None:
                         help="replace the results --out holds (without it such an --out is refused)")
 
 
+def windows_path(out: str) -> str:
+    """Where `linjax eval perplexity --out F.json` writes its per-window results: F.windows.json."""
+    return (out[:-5] if out.endswith(".json") else out) + ".windows.json"
+
+
 def _perplexity(args):
     _refuse_earlier_results(args, args.out)
+    _refuse_earlier_results(args, args.out and windows_path(args.out))
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
-    rows = []
+    rows, per_window = [], []
     for spec in args.models:
         model, tokenizer, description = load_model(spec, args.dtype)
         if tokenizer is None:
             raise ValueError(f"{spec} has no tokenizer; perplexity needs one to read {args.data}")
-        windows = token_windows(tokenizer, text, args.seq_len, args.max_windows)
+        windows, articles = text_windows(tokenizer, text, args.seq_len, args.max_windows, args.whole_file)
         start = time.perf_counter()
-        result = perplexity(model, windows, batch_size=args.batch_size, progress=True)
+        scores = window_scores(model, windows, batch_size=args.batch_size, progress=True)
+        result = summary(scores)
         result.update(model=description, seconds=time.perf_counter() - start)
         rows.append(result)
+        per_window.append({"model": description, "article": articles, **scores})
         print(f"{description}: perplexity {result['perplexity']:.3f} over {result['tokens']} tokens "
               f"({result['windows']} windows of {args.seq_len})", flush=True)
         if args.out:  # after every model, so a long comparison loses nothing on a crash
-            write_json(args.out, {"data": os.path.abspath(args.data), "seq_len": args.seq_len,
-                                  "max_windows": args.max_windows, "results": rows})
+            settings = {"data": os.path.abspath(args.data), "seq_len": args.seq_len, "max_windows": args.max_windows}
+            if args.whole_file:
+                settings["whole_file"] = True
+            write_json(windows_path(args.out), {**settings, "results": per_window})
+            write_json(args.out, {**settings, "results": rows})
     print("\n| model | perplexity | tokens |\n|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['perplexity']:.3f} | {r['tokens']} |")
@@ -107,7 +119,7 @@ def _lm_eval(args):
     result = lm_eval_bridge.run(args.model, tasks=args.tasks, data_dir=args.data_dir, limit=args.limit,
                                 num_fewshot=args.num_fewshot, batch_size=args.batch_size, out_dir=out,
                                 share_prefixes=not args.no_shared_prefixes, resume=args.resume,
-                                trust_remote_code=args.trust_remote_code)
+                                samples=args.log_samples, trust_remote_code=args.trust_remote_code)
     print(result["table_markdown"])
     print(f"→ {os.path.join(out, 'lm_eval_results.json')} and results.md ({result['seconds']:.0f} s)")
 
@@ -124,6 +136,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--data", required=True, help="a UTF-8 text file, e.g. WikiText-2 test")
     p.add_argument("--seq-len", type=positive_int, default=1024)
     p.add_argument("--max-windows", type=positive_int, default=None, help="score only the first N windows")
+    p.add_argument("--whole-file", action="store_true",
+                   help="score every token: the full windows and a shorter last window of what is left")
     p.add_argument("--batch-size", type=positive_int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", help="JSON file for the results")
@@ -206,6 +220,8 @@ def add_eval_parser(sub) -> None:
                             "latest default directory): its finished tasks and the requests it had scored are kept")
     again.add_argument("--overwrite", action="store_true",
                        help="replace the results an explicit --out holds (without it such an --out is refused)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write each task's per-example scores to --out/samples_<task>.jsonl")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run MODEL's own Python files (its config's auto_map) even when they are "
                         "not linjax's export code; without this flag only linjax's own modeling files run")

@@ -1,0 +1,132 @@
+"""results/claims.py's paired bootstrap over articles: a known difference is found, none is undecided."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def claims():
+    spec = importlib.util.spec_from_file_location("claims", os.path.join(ROOT, "results", "claims.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def scored_rows(per_token_difference, seed=0, articles=60, windows_per_article=5, tokens=1023):
+    """Two rows' per-window results on the same windows: articles differ a lot in difficulty (shared by
+    both rows), each row adds its own noise per window, and row a is `per_token_difference` nats per
+    token above row b on average."""
+    rng = np.random.default_rng(seed)
+    article = np.repeat(np.arange(articles), windows_per_article)
+    difficulty = rng.uniform(2.5, 4.5, articles)[article]
+    b = (difficulty + rng.normal(0, 0.05, article.size)) * tokens
+    a = b + (per_token_difference + rng.normal(0, 0.05, articles)[article]) * tokens
+    counts = [tokens] * article.size
+    return ({"article": article.tolist(), "nll": a.tolist(), "tokens": counts},
+            {"article": article.tolist(), "nll": b.tolist(), "tokens": counts})
+
+
+def test_a_known_difference_is_found(claims):
+    better, worse = scored_rows(-0.1)
+    point, low, high = claims.paired_bootstrap(better, worse)
+    assert low < point < high < 0 and low < -0.1 < high
+    assert claims.interval_verdict((point, low, high)) == "holds"
+    assert claims.interval_verdict(claims.paired_bootstrap(worse, better)) == "does not hold"
+
+
+def test_no_difference_is_undecided(claims):
+    better, worse = scored_rows(0.0, seed=1)
+    point, low, high = claims.paired_bootstrap(better, worse)
+    assert low < 0 < high
+    assert claims.interval_verdict((point, low, high)).startswith("undecided")
+
+
+def test_the_bootstrap_is_paired_and_seeded(claims):
+    better, worse = scored_rows(-0.01, seed=2)
+    first = claims.paired_bootstrap(better, worse)
+    assert claims.paired_bootstrap(better, worse) == first  # a fixed seed: the same interval every time
+    # The articles' shared difficulty cancels in the pairing: the interval is far narrower than the
+    # spread of either row's per-article perplexity.
+    assert first[2] - first[1] < 0.05
+
+
+def test_rows_without_per_window_results_or_on_other_windows_are_not_compared(claims):
+    assert claims.interval_verdict(None) == "undecided (no per-window results)"
+    better, worse = scored_rows(-0.1)
+    with pytest.raises(ValueError, match="same windows"):
+        claims.paired_bootstrap(better, {**worse, "tokens": worse["tokens"][:-1]})
+
+
+def test_the_report_of_the_committed_rows(claims, monkeypatch):
+    """`report` on the committed rows (written to a string here, not to claims.md): every claim of two
+    evaluated rows has its earlier verdict and an interval verdict, and the header states the facts
+    the issue found missing."""
+    written = {}
+    monkeypatch.setattr(claims, "write_text", lambda path, text: written.setdefault("text", text) and path)
+    claims.report()
+    text = written["text"]
+    assert "10M tokens (2,500 steps x 4,096)" in text and "20M" not in text
+    assert "SmolLM2-135M-Instruct dequantised from the Q4_1 GGUF" in text
+    assert "| 1,000 + 1,000 | 1 then 2 |" in text  # the two-stage row's steps and seeds
+    for claim, *_ in claims.CLAIMS:
+        line = next(line for line in text.splitlines() if line.startswith(f"| {claim} |"))
+        by_interval, earlier = line.strip("| ").split(" | ")[-2:]
+        assert by_interval.split(" (")[0] in ("holds", "does not hold", "undecided")
+        assert earlier != "pending"
+
+
+def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_path, tiny_source, tokenizer):
+    """`evaluate-paired` scores rows window by window, writes per-window results after each window, and a
+    rerun after a stop goes on from them to the results an uninterrupted run gives."""
+    import json
+
+    import linjax.eval.perplexity as perplexity
+
+    text = "".join(f" = Article {k} = \n" + f" Sentence {k} of the article about topic {k} .\n" * 3
+                   for k in range(3))
+    (tmp_path / "text.txt").write_text(text)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(claims, "SEQ_LEN", 32)
+    assert len(ids) > 2 * 32 and len(ids) % 32 >= 2  # full windows and a shorter last one
+    monkeypatch.setattr(claims, "WIKITEXT", str(tmp_path / "text.txt"))
+    monkeypatch.setattr(claims, "ROWS", {"first": "a row", "second": "the same model again"})
+    monkeypatch.setattr(claims, "model_argument", lambda row: tiny_source)
+
+    def scored(directory, row):
+        return json.loads((tmp_path / directory / row / "wikitext2-full.windows.json").read_text())
+
+    monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / "whole" / row))
+    claims.evaluate_paired(["first", "second"])
+    whole = scored("whole", "second")
+    assert whole["complete"] and whole["results"][0]["tokens"] == [31] * (len(ids) // 32) + [len(ids) % 32 - 1]
+    assert whole["results"][0]["nll"] == scored("whole", "first")["results"][0]["nll"]  # the same model
+
+    monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / "stopped" / row))
+    calls, score = [], perplexity.window_scores
+
+    def stop_at_the_third_window(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(perplexity, "window_scores", stop_at_the_third_window)
+    with pytest.raises(KeyboardInterrupt):
+        claims.evaluate_paired(["first", "second"])
+    stopped = scored("stopped", "second")
+    assert not stopped["complete"] and len(stopped["results"][0]["nll"]) == 1  # each row: its first window
+    assert not (tmp_path / "stopped" / "second" / "wikitext2-full.json").exists()
+    monkeypatch.setattr(perplexity, "window_scores", score)
+    claims.evaluate_paired(["first", "second"])
+    for row in ("first", "second"):
+        resumed, uninterrupted = scored("stopped", row)["results"][0], scored("whole", row)["results"][0]
+        assert resumed["tokens"] == uninterrupted["tokens"] and resumed["article"] == uninterrupted["article"]
+        for key in ("nll", "position_nll"):
+            np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-6)
+    summary = json.loads((tmp_path / "stopped" / "second" / "wikitext2-full.json").read_text())["results"][0]
+    assert summary["tokens"] == len(ids) - len(whole["results"][0]["tokens"])
