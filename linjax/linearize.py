@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 import linjax.mixers
+from linjax.kernels import retention
 from linjax.layers import Trainable
 from linjax.mixers.softmax import SoftmaxAttention
 from linjax.platform import resolve_kernel
@@ -46,6 +47,7 @@ MIXERS = find_mixers()
 ADAPTERS = (None, "shortconv", "lora")
 COMBINES = ("sum", "mixed")
 KERNELS = ("auto", "chunked", "pallas")
+RETAIN_SCORES = retention.SCORES
 
 
 # `scale = "fla_default"`: FLA's kernels' output scale, Dk^-1/2 (stored as None).
@@ -83,6 +85,13 @@ class LinearizeConfig:
     gate_bias: the decay gate's bias at initialisation (GLA, kGLA, GDN, gdn_scalar): 1 as in the
         paper, so α ≈ sigmoid(1) ≈ 0.73 at the start (a memory of about four tokens); larger values
         start with a longer memory (3: α ≈ 0.95, about twenty tokens).
+    retain: tokens kept for their content per layer and kv head, beside the sinks and the window
+        (issue 37, docs/retention.md): a token leaving the window takes a slot if one is free or it
+        scores above the weakest retained token, and the token that loses (or never wins) a slot goes
+        into the linear state. 0 (the default) is the final recipe as it was. No new parameters, so
+        any trained run can be read with it; with it on, every mode runs token by token.
+    retain_score: what a leaving token is scored by: "recall" (LoLA's self-recall error
+        ‖v − Sᵀk‖ / ‖v‖ against the state it would enter) or "key_norm" (‖k‖, no state needed).
     """
 
     mechanism: str = "gdn"
@@ -100,6 +109,8 @@ class LinearizeConfig:
     scale: float | str | None = 1.0
     output_gain: bool = False
     gate_bias: float = 1.0
+    retain: int = 0
+    retain_score: str = "recall"
 
     def __post_init__(self):
         if self.adapter in ("none", ""):  # TOML and the CLI have no None
@@ -130,6 +141,15 @@ class LinearizeConfig:
         if not (isinstance(self.gate_bias, (int, float)) and not isinstance(self.gate_bias, bool)
                 and math.isfinite(self.gate_bias)):
             raise ValueError(f"gate_bias must be a finite number, got {self.gate_bias!r}")
+        if not (isinstance(self.retain, int) and not isinstance(self.retain, bool)) or self.retain < 0:
+            raise ValueError(f"retain must be an integer ≥ 0 (retained tokens per layer and kv head), "
+                             f"got {self.retain!r}")
+        if self.retain_score not in RETAIN_SCORES:
+            raise ValueError(f"unknown retain_score {self.retain_score!r}; choose one of {list(RETAIN_SCORES)}")
+        if self.retain and (not self.window or self.mechanism in ("softmax", "window")):
+            raise ValueError(f"retain={self.retain} keeps tokens that leave the window and writes the rest into a "
+                             f"linear state: it needs window ≥ 1 and a linear mechanism (got mechanism="
+                             f"{self.mechanism!r}, window={self.window})")
         if self.scale == FLA_DEFAULT_SCALE:  # TOML and the CLI have no None
             object.__setattr__(self, "scale", None)
         if self.scale is not None:
