@@ -176,5 +176,6 @@ def recall_error(state, k, v, log_alpha=None, *, normalized: bool = False, eps: 
     recalled = jnp.einsum("bhk,bhkv->bhv", k32, S)
     if normalized:
         recalled = recalled[..., :-1] / (recalled[..., -1:] + eps)
-    error = jnp.linalg.norm(v32 - recalled, axis=-1) / (jnp.linalg.norm(v32, axis=-1) + eps)
+    # max, not + eps: against an empty state every token scores exactly 1 (ties keep the older)
+    error = jnp.linalg.norm(v32 - recalled, axis=-1) / jnp.maximum(jnp.linalg.norm(v32, axis=-1), eps)
     return error.reshape(error.shape[0], Hkv, H // Hkv).mean(-1)
