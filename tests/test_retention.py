@@ -211,3 +211,23 @@ def test_a_trained_runs_parameters_load_with_retain_on(base, tmp_path):
 def test_bad_retain_settings_are_refused(settings, match):
     with pytest.raises(ValueError, match=match):
         linjax.LinearizeConfig(**settings)
+
+
+def test_retain_is_a_setting_of_experiment_files(tmp_path):
+    from linjax.experiment import load_experiment
+
+    path = tmp_path / "run.toml"
+    path.write_text('run_dir = "x"\n[data]\npaths = ["a"]\n')
+    config = load_experiment(str(path), ["linearize.retain=64", 'linearize.retain_score="key_norm"'])
+    assert (config.linearize.retain, config.linearize.retain_score) == (64, "key_norm")
+    with pytest.raises(ValueError, match="retain must be an integer ≥ 0"):
+        load_experiment(str(path), ["linearize.retain=-3"])
+
+
+def test_the_pytorch_export_refuses_retained_tokens_until_it_has_them(base, tmp_path):
+    from linjax.convert.export import export_hf
+
+    model = linjax.linearize(base, gdn_settings(retain=2))
+    with pytest.raises(ValueError, match="does not have retained tokens yet"):
+        export_hf(model, str(tmp_path / "export"))
+    assert not (tmp_path / "export").exists()
