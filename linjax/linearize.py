@@ -224,21 +224,24 @@ def linearize(model, config: LinearizeConfig, seed: int = 0):
     return new
 
 
-def with_budget(model, *, sinks: int, window: int, retain: int | None = None):
+def with_budget(model, *, sinks: int, window: int, retain: int | None = None, retain_score: str | None = None):
     """The same linearized model (shared arrays, new module objects) with every linear mixer's
     `SinksWindow` replaced by one at the new budget: evaluating a model trained at one cache budget at another
     (e.g. trained with 8 + 56, read with 8 + 120 = 128 cached tokens, or 8 + 56 + `retain` 64 retained
-    tokens; None keeps the model's `retain`). No parameter changes."""
+    tokens; None keeps the model's `retain` and `retain_score`). No parameter changes."""
     config = getattr(model, "linearize_config", None)
     if config is None:
         raise ValueError("with_budget needs a linearized model (a plain model has a full KV cache)")
     retain = config.retain if retain is None else retain
-    config = dataclasses.replace(config, sinks=sinks, window=window, retain=retain)  # validates them
+    retain_score = config.retain_score if retain_score is None else retain_score
+    config = dataclasses.replace(config, sinks=sinks, window=window, retain=retain,
+                                 retain_score=retain_score)  # validates them
     graphdef, state = nnx.split(model)
     new = nnx.merge(graphdef, state)
     for block in new.layers:
         if not isinstance(block.attn, SoftmaxAttention):
-            block.attn.sinks_window = block.attn.sinks_window.with_budget(sinks=sinks, window=window, retain=retain)
+            block.attn.sinks_window = block.attn.sinks_window.with_budget(sinks=sinks, window=window, retain=retain,
+                                                                          retain_score=retain_score)
     new.linearize_config = config
     return new
 

@@ -80,11 +80,13 @@ class SinksWindow(nnx.Module):
         return cls(sinks=settings.sinks, window=settings.window, chunk=settings.chunk,
                    use_pallas=settings.uses_pallas(), retain=settings.retain, retain_score=settings.retain_score)
 
-    def with_budget(self, *, sinks: int, window: int, retain: int | None = None) -> "SinksWindow":
-        """A new SinksWindow with another cache budget (retained slots unchanged unless given) and the
-        same kernels."""
+    def with_budget(self, *, sinks: int, window: int, retain: int | None = None,
+                    retain_score: str | None = None) -> "SinksWindow":
+        """A new SinksWindow with another cache budget (retained slots and their score unchanged unless
+        given) and the same kernels."""
         return SinksWindow(sinks=sinks, window=window, chunk=self.chunk, use_pallas=self.use_pallas,
-                           retain=self.retain if retain is None else retain, retain_score=self.retain_score)
+                           retain=self.retain if retain is None else retain,
+                           retain_score=self.retain_score if retain_score is None else retain_score)
 
     def empty_cache(self, batch: int, kv_heads: int, head_dim: int, dtype=jnp.float32,
                     linear_inputs: tuple | None = None, stays: tuple = ()) -> SinksWindowCache | None:
