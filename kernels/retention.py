@@ -21,7 +21,7 @@ Pure functions, one kv head's slots independent of another's:
     attend(q, cache, scale) -> SoftmaxParts               the retained keys' share of the softmax
     merge(a, b) -> SoftmaxParts                           two parts over disjoint keys as one
     key_norm(k) -> scores                                 ‖k‖ of the pretrained key
-    recall_error(state, k, v, log_alpha, normalized) -> scores   LoLA's ‖v − Sᵀk‖ / ‖v‖
+    recall_error(state, k, v, log_alpha, normalized) -> scores   LoLA's ‖v − Sᵀk‖ / ‖v‖, now
 
 An entry is every array that travels with a token into a slot: the pretrained k and
 v the softmax reads, and the linear inputs (k', v', gates) written into the state if
@@ -158,24 +158,25 @@ def key_norm(k):
 
 
 def recall_error(state, k, v, log_alpha=None, *, normalized: bool = False, eps: float = 1e-6):
-    """LoLA's self-recall error of a token against the state it would enter, per kv head [B, Hkv]:
+    """LoLA's self-recall error of tokens against the state they would enter now, per kv head [B, N, Hkv]:
 
         ‖v − Sᵀk‖ / ‖v‖,   S = Diag(α) S_prev (the decay of this step applied first, as the delta rule does)
 
     averaged over the query heads of each kv head (each has its own state). A token the state already
     reproduces loses little by being written into it; one it cannot reproduce is worth a slot.
-    state [B, H, Dk', Dv'] fp32; k [B, Hkv, Dk'], v [B, Hkv, Dv] the linear inputs; log_alpha [B, H, Dk'],
-    [B, H] or None. `normalized` (Hedgehog's [v, 1] state): the readout Sᵀk[:Dv] / Sᵀk[Dv].
+    state [B, H, Dk', Dv'] fp32; k [B, N, Hkv, Dk'], v [B, N, Hkv, Dv] the linear inputs of N tokens;
+    log_alpha [B, H, Dk'], [B, H] or None. `normalized` (Hedgehog's [v, 1] state): the readout
+    Sᵀk[:Dv] / Sᵀk[Dv].
     """
-    H, Hkv = state.shape[1], k.shape[1]
+    H, Hkv = state.shape[1], k.shape[2]
     S = state
     if log_alpha is not None:
         la = log_alpha.astype(jnp.float32)
         S = S * jnp.exp(la if la.ndim == 3 else la[..., None])[..., None]
     k32, v32 = expand_kv_heads(k.astype(jnp.float32), H), expand_kv_heads(v.astype(jnp.float32), H)
-    recalled = jnp.einsum("bhk,bhkv->bhv", k32, S)
+    recalled = jnp.einsum("bnhk,bhkv->bnhv", k32, S)
     if normalized:
         recalled = recalled[..., :-1] / (recalled[..., -1:] + eps)
     # max, not + eps: against an empty state every token scores exactly 1 (ties keep the older)
     error = jnp.linalg.norm(v32 - recalled, axis=-1) / jnp.maximum(jnp.linalg.norm(v32, axis=-1), eps)
-    return error.reshape(error.shape[0], Hkv, H // Hkv).mean(-1)
+    return error.reshape(error.shape[:2] + (Hkv, H // Hkv)).mean(-1)

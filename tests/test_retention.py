@@ -56,12 +56,14 @@ def simulate(inputs, *, sinks, window, retain, score, scale):
         written = [None] * Hkv
         if leaving >= sinks:
             for g in range(Hkv):
+                # recall: against the state at this step, for the leaving token and every retained one
+                recall = lambda j: np.mean([np.linalg.norm(lv[j, g] - lk[j, g] @ decayed[h])
+                                            / max(np.linalg.norm(lv[j, g]), 1e-6) for h in range(g * G, (g + 1) * G)])
                 if score == "key_norm":
                     s = np.linalg.norm(k[leaving, g])
                 else:
-                    errors = [np.linalg.norm(lv[leaving, g] - lk[leaving, g] @ decayed[h])
-                              / max(np.linalg.norm(lv[leaving, g]), 1e-6) for h in range(g * G, (g + 1) * G)]
-                    s = np.mean(errors)
+                    s = recall(leaving)
+                    held[g] = [(recall(j), j) for _, j in held[g]]
                 if len(held[g]) < retain:
                     held[g].append((s, leaving))
                 else:

@@ -61,7 +61,7 @@ class LinearMixer(nnx.Module):
     # Linear inputs (k', v', *gates) that belong to a step rather than to a token: the decay, the first
     # gate of every gated mechanism. With retained tokens the state decays by the leaving token's gate at
     # each step, whichever token it stores (SinksWindow.retaining_step).
-    DECAY_INPUTS = (2,)
+    decay_inputs = (2,)
 
     def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
         """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig."""
@@ -150,7 +150,7 @@ class LinearMixer(nnx.Module):
         return LinearState(linear, jnp.zeros((), jnp.int32), conv, window)
 
     def _stays(self, linear_inputs) -> tuple:
-        return tuple(i for i in self.DECAY_INPUTS if i < len(linear_inputs))
+        return tuple(i for i in self.decay_inputs if i < len(linear_inputs))
 
     def _linear_input_shapes(self, batch, dtype):
         """Shapes of (k', v', *gates) for one token, found by tracing the mixer's own transforms."""
@@ -200,10 +200,8 @@ class LinearMixer(nnx.Module):
             linear, window = carry
             sq, sk, sv, lq, *lin = (a[:, None] for a in token)
 
-            def recall(leaving):
-                decay = leaving[stays[0]][:, 0] if stays else None
-                return retention.recall_error(linear, leaving[0][:, 0], leaving[1][:, 0], decay,
-                                              normalized=self.normalized)
+            def recall(keys, values, decay):
+                return retention.recall_error(linear, keys, values, decay, normalized=self.normalized)
 
             parts, (lk, lv, *lgates), window = self.sinks_window.retaining_step(
                 sq, sk, sv, linear_inputs=tuple(lin), cache=window, recall=recall, stays=stays)

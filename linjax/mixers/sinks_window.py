@@ -156,8 +156,11 @@ class SinksWindow(nnx.Module):
 
         q, k, v [B, 1, H(kv), D]: the pretrained projections after RoPE; linear_inputs (k', v', *gates)
         [B, 1, ...] of this token. The token at position t − w leaves the window now. If it is not a sink
-        it is scored (`retain_score`: "recall" calls `recall(leaving linear inputs)` → [B, Hkv], the
-        mixer's view of its state; "key_norm" needs no state) and offered a slot (retention.admit).
+        it is scored and offered a slot (retention.admit). `retain_score` "key_norm" needs no state;
+        "recall" calls `recall(k', v', decay)` ([B, N, ...] → [B, N, Hkv]: the mixer's state asked how
+        badly it would recall N tokens written into it at this step) for the leaving token and again
+        for every retained one, whose scores are replaced: a token kept when the state was empty (all
+        score 1 then) must give way once the state recalls it better than a newcomer.
         Returns (softmax parts over sinks ∪ window ∪ retained [B, 1, H, ...], linear inputs for the
         kernel's step, cache after the token). The kernel's inputs are those of the token written into
         the state (the evicted or the refused one; key zeroed when there is none), except those at
@@ -172,8 +175,13 @@ class SinksWindow(nnx.Module):
         if retained is not None:
             slot = lambda ring: jax.lax.dynamic_slice_in_dim(ring, t % self.window, 1, axis=1)[:, 0]
             softmax_entry = (slot(cache.softmax.ring_k), slot(cache.softmax.ring_v))
-            score = (retention.key_norm(softmax_entry[0]) if self.retain_score == "key_norm"
-                     else recall(leaving))
+            if self.retain_score == "key_norm":
+                score = retention.key_norm(softmax_entry[0])
+            else:
+                decay = leaving[stays[0]][:, 0] if stays else None
+                score = recall(leaving[0], leaving[1], decay)[:, 0]
+                held = recall(retained.entries[2], retained.entries[3], decay)
+                retained = retained._replace(score=jnp.where(retained.position >= 0, held, -jnp.inf))
             travelling = [x[:, 0] for i, x in enumerate(leaving) if i not in stays]
             retained, entry, entry_valid = retention.admit(retained, softmax_entry + tuple(travelling), score,
                                                            t - self.window, t - self.window >= self.sinks)
