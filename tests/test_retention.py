@@ -136,9 +136,11 @@ def test_ties_keep_the_older_token_and_empty_slots_fill_first():
     assert not bool(written_valid[0, 0]) and sorted(np.asarray(cache.position[0, :, 0]).tolist()) == [5, 8]
 
 
-@pytest.mark.parametrize("score", ["recall", "key_norm"])
-def test_prefill_then_decode_equals_decoding_the_whole_prompt(base, score):
-    model = linjax.linearize(base, gdn_settings(retain=RETAIN, retain_score=score, adapter="shortconv"), seed=2)
+@pytest.mark.parametrize("mechanism,score", [("gdn", "recall"), ("gdn", "key_norm"), ("gla", "recall"),
+                                             ("hedgehog", "recall")])
+def test_prefill_then_decode_equals_decoding_the_whole_prompt(base, mechanism, score):
+    settings = gdn_settings(mechanism=mechanism, retain=RETAIN, retain_score=score, adapter="shortconv")
+    model = linjax.linearize(base, settings, seed=2)
     graphdef, params = nnx.split(model)
     forward = jax.jit(lambda params, tokens, states: nnx.merge(graphdef, params)(tokens, states=states))
     tokens = jax.random.randint(jax.random.key(4), (2, 20), 0, base.config.vocab_size)
