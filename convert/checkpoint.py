@@ -155,7 +155,9 @@ def load_trained_parameters(model: CausalLM, directory: str, base: dict | None =
         fingerprint.check({"model": recorded}, {"model": base}, directory, "starting from its parameters")
     theirs = LinearizeConfig.from_saved(manifest["linearize"]).to_dict()
     ours = model.linearize_config.to_dict()
-    differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in ("kernel", "chunk"))
+    # Settings that add no parameters: the kernels, and retained tokens (any run can be read with them).
+    free = ("kernel", "chunk", "retain", "retain_score")
+    differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in free)
     if differing:
         raise ValueError(f"{directory} was linearized with other settings ("
                          + ", ".join(f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in differing)

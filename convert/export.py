@@ -85,6 +85,10 @@ def export_hf(model, directory: str, tokenizer=None) -> str:
     if getattr(model, "linearize_config", None) is None:
         raise ValueError("export_hf writes linearized models; a plain model exports as its own "
                          "architecture with linjax.save_hf")
+    if model.linearize_config.retain:
+        raise ValueError(f"the PyTorch export does not have retained tokens yet (retain="
+                         f"{model.linearize_config.retain}); export the model with retain=0 (retain adds no "
+                         "parameters: linjax.linearize.with_budget(model, ..., retain=0))")
     directory = check_export_directory(directory)
     write_hf_directory(directory, export_config(model), export_tensors(model), tokenizer,
                        extra_files={os.path.basename(path): path for path in MODELING_FILES})

@@ -23,6 +23,8 @@ MIXERS: dict = {}  # mechanism name → mixer class; every Attention subclass wi
 
 def sinks_and_window(settings: dict) -> tuple:
     """(sinks, window) of config.linearize: softmax over the first `sinks` tokens and the last `window`."""
+    if int(settings.get("retain", 0)):  # linjax's export refuses it; a hand-edited config must not lose it
+        raise NotImplementedError("retained tokens (linearize.retain > 0) are not in the PyTorch model yet")
     return int(settings.get("sinks", 0)), int(settings.get("window", 0))
 
 

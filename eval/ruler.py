@@ -11,7 +11,8 @@ tokens (24 or 48 for niah_single_*), and a sample scores the fraction of its ans
 case-insensitively (RULER's string_match_all).
 
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,cwe --lengths 1024,2048,4096 \\
-        --samples N [--budgets 128,256,512 [--window-only]] [--haystack FILE] --out results.json
+        --samples N [--budgets 128,256,512 [--window-only | --retain 64 [--retain-score key_norm]]] \\
+        [--haystack FILE] --out results.json
 
 MODEL is full attention (one variant), linearized (`--budgets`: re-read at each cache
 budget, sinks + window = budget), or full attention with `--window-only --budgets`: the
@@ -68,9 +69,11 @@ def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> 
     return rows
 
 
-def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> dict:
+def budget_variants(model, budgets, sinks: int, window_only: bool = False, retain: int = 0,
+                    retain_score: str = "recall") -> dict:
     """{label: model} to evaluate: the model itself (no budgets), or one variant per cache budget b
-    (sinks + window = b): a linearized model re-read at that budget (`with_budget`), or, with
+    (sinks + window + retain = b): a linearized model re-read at that budget (`with_budget`; `retain`
+    tokens kept for their content, scored by `retain_score`: docs/retention.md), or, with
     `window_only`, the full-attention model restricted to sinks + window softmax with no linear
     term (mechanism "window", the training-free baseline)."""
     linearized = getattr(model, "linearize_config", None) is not None
@@ -80,9 +83,13 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> di
     if budgets and not linearized and not window_only:
         raise ValueError("cache budgets apply to a linearized model; for the window-only baseline of a "
                          "full-attention model add --window-only")
-    bad = [b for b in budgets or () if b <= sinks]
+    if retain and (window_only or not linearized or not budgets):
+        raise ValueError("--retain keeps tokens beside the window of a linearized model's budget: give a "
+                         "linearized model and --budgets (each budget = sinks + window + retain)")
+    bad = [b for b in budgets or () if b <= sinks + retain]
     if bad:
-        raise ValueError(f"budgets {bad} leave no window after {sinks} sinks; each budget must exceed --sinks")
+        raise ValueError(f"budgets {bad} leave no window after {sinks} sinks and {retain} retained tokens; "
+                         "each budget must exceed --sinks + --retain")
     if not budgets:
         if not linearized:
             return {"full attention": model}
@@ -93,12 +100,17 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False) -> di
         return {f"window only, budget {b} (sinks {sinks}, window {b - sinks})":
                 linjax.linearize(model, linjax.LinearizeConfig(mechanism="window", sinks=sinks, window=b - sinks))
                 for b in budgets}
-    return {f"budget {b} (sinks {sinks}, window {b - sinks})": with_budget(model, sinks=sinks, window=b - sinks)
-            for b in budgets}
+    if retain:
+        return {f"budget {b} (sinks {sinks}, window {b - sinks - retain}, retained {retain} by {retain_score})":
+                with_budget(model, sinks=sinks, window=b - sinks - retain, retain=retain, retain_score=retain_score)
+                for b in budgets}
+    return {f"budget {b} (sinks {sinks}, window {b - sinks})":
+            with_budget(model, sinks=sinks, window=b - sinks, retain=0) for b in budgets}
 
 
 def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None, sinks: int = 8,
-        window_only: bool = False, haystack: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+        window_only: bool = False, haystack: str | None = None, seed: int = 0, progress: bool = True,
+        retain: int = 0, retain_score: str = "recall") -> dict:
     """RULER accuracy per task × length (× cache budget); writes `out` (+ .md) after every cell."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -107,9 +119,10 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
     if tokenizer is None:
         raise ValueError(f"{model_spec} has no tokenizer; RULER needs one")
     generator = Generator(tokenizer, haystack)
-    variants = budget_variants(model, budgets, sinks, window_only)
+    variants = budget_variants(model, budgets, sinks, window_only, retain, retain_score)
     settings = {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "budgets": list(budgets or []),
-                "sinks": sinks, "window_only": window_only, "seed": seed,
+                "sinks": sinks, "window_only": window_only, "seed": seed, "retain": retain,
+                "retain_score": retain_score,
                 "haystack": os.path.abspath(generator.haystack_path) if generator.haystack_path else None}
     results, details = [], []
     for task in tasks:

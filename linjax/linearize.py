@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 import linjax.mixers
+from linjax.kernels import retention
 from linjax.layers import Trainable
 from linjax.mixers.softmax import SoftmaxAttention
 from linjax.platform import resolve_kernel
@@ -48,6 +49,7 @@ COMBINES = ("sum", "mixed")
 # GLA's decay gate: the paper's low-rank projection of h, or Liger's, read from the key projection.
 GATES = ("low_rank", "liger_pooled_key")
 KERNELS = ("auto", "chunked", "pallas")
+RETAIN_SCORES = retention.SCORES
 
 
 # `scale = "fla_default"`: FLA's kernels' output scale, Dk^-1/2 (stored as None).
@@ -88,6 +90,13 @@ class LinearizeConfig:
     gate: GLA's decay gate. "low_rank" (the paper's, with `gate_rank` and `gate_bias`) or
         "liger_pooled_key" (Liger-GLA's: log α = LogSigmoid(pool(k_proj(h))) / 16 from the frozen,
         LoRA-adapted key projection, no parameters of its own; linjax/mixers/gla.py).
+    retain: tokens kept for their content per layer and kv head, beside the sinks and the window
+        (issue 37, docs/retention.md): a token leaving the window takes a slot if one is free or it
+        scores above the weakest retained token, and the token that loses (or never wins) a slot goes
+        into the linear state. 0 (the default) is the final recipe as it was. No new parameters, so
+        any trained run can be read with it; with it on, every mode runs token by token.
+    retain_score: what a leaving token is scored by: "recall" (LoLA's self-recall error
+        ‖v − Sᵀk‖ / ‖v‖ against the state it would enter) or "key_norm" (‖k‖, no state needed).
     """
 
     mechanism: str = "gdn"
@@ -106,6 +115,8 @@ class LinearizeConfig:
     output_gain: bool = False
     gate_bias: float = 1.0
     gate: str = "low_rank"
+    retain: int = 0
+    retain_score: str = "recall"
 
     def __post_init__(self):
         if self.adapter in ("none", ""):  # TOML and the CLI have no None
@@ -140,6 +151,15 @@ class LinearizeConfig:
         if not (isinstance(self.gate_bias, (int, float)) and not isinstance(self.gate_bias, bool)
                 and math.isfinite(self.gate_bias)):
             raise ValueError(f"gate_bias must be a finite number, got {self.gate_bias!r}")
+        if not (isinstance(self.retain, int) and not isinstance(self.retain, bool)) or self.retain < 0:
+            raise ValueError(f"retain must be an integer ≥ 0 (retained tokens per layer and kv head), "
+                             f"got {self.retain!r}")
+        if self.retain_score not in RETAIN_SCORES:
+            raise ValueError(f"unknown retain_score {self.retain_score!r}; choose one of {list(RETAIN_SCORES)}")
+        if self.retain and (not self.window or self.mechanism in ("softmax", "window")):
+            raise ValueError(f"retain={self.retain} keeps tokens that leave the window and writes the rest into a "
+                             f"linear state: it needs window ≥ 1 and a linear mechanism (got mechanism="
+                             f"{self.mechanism!r}, window={self.window})")
         if self.scale == FLA_DEFAULT_SCALE:  # TOML and the CLI have no None
             object.__setattr__(self, "scale", None)
         if self.scale is not None:
@@ -214,19 +234,24 @@ def linearize(model, config: LinearizeConfig, seed: int = 0):
     return new
 
 
-def with_budget(model, *, sinks: int, window: int):
+def with_budget(model, *, sinks: int, window: int, retain: int | None = None, retain_score: str | None = None):
     """The same linearized model (shared arrays, new module objects) with every linear mixer's
     `SinksWindow` replaced by one at the new budget: evaluating a model trained at one cache budget at another
-    (e.g. trained with 8 + 56, read with 8 + 120 = 128 cached tokens). No parameter changes."""
+    (e.g. trained with 8 + 56, read with 8 + 120 = 128 cached tokens, or 8 + 56 + `retain` 64 retained
+    tokens; None keeps the model's `retain` and `retain_score`). No parameter changes."""
     config = getattr(model, "linearize_config", None)
     if config is None:
         raise ValueError("with_budget needs a linearized model (a plain model has a full KV cache)")
-    config = dataclasses.replace(config, sinks=sinks, window=window)  # validates the pair
+    retain = config.retain if retain is None else retain
+    retain_score = config.retain_score if retain_score is None else retain_score
+    config = dataclasses.replace(config, sinks=sinks, window=window, retain=retain,
+                                 retain_score=retain_score)  # validates them
     graphdef, state = nnx.split(model)
     new = nnx.merge(graphdef, state)
     for block in new.layers:
         if not isinstance(block.attn, SoftmaxAttention):
-            block.attn.sinks_window = block.attn.sinks_window.with_budget(sinks=sinks, window=window)
+            block.attn.sinks_window = block.attn.sinks_window.with_budget(sinks=sinks, window=window, retain=retain,
+                                                                          retain_score=retain_score)
     new.linearize_config = config
     return new
 

@@ -224,6 +224,15 @@ def test_budget_variants_and_their_errors():
         budget_variants(model, [128], 8, window_only=True)
     with pytest.raises(ValueError, match="exceed --sinks"):
         budget_variants(model, [8], 8)
+    retaining = budget_variants(model, [128], 8, retain=64)
+    (label, variant), = retaining.items()
+    assert label == "budget 128 (sinks 8, window 56, retained 64 by recall)"
+    assert (variant.linearize_config.window, variant.linearize_config.retain) == (56, 64)
+    assert budget_variants(model, [128], 8)["budget 128 (sinks 8, window 120)"].linearize_config.retain == 0
+    with pytest.raises(ValueError, match="--retain keeps tokens"):
+        budget_variants(base, [128], 8, window_only=True, retain=64)
+    with pytest.raises(ValueError, match=r"exceed --sinks \+ --retain"):
+        budget_variants(model, [72], 8, retain=64)
 
 
 @pytest.mark.parametrize("mechanism,prompt_len", [("softmax", 37), ("gdn", 37), ("gdn", 47)])

@@ -25,6 +25,7 @@ from linjax.eval import approx, diagnostics, lm_eval_bridge, ruler, select_layer
 from linjax.eval.models import load_model
 from linjax.eval.perplexity import summary, text_windows, window_scores
 from linjax.files import write_json
+from linjax.linearize import RETAIN_SCORES
 
 
 def _refuse_earlier_results(args, results: str | None, resume: bool = False) -> None:
@@ -108,7 +109,7 @@ def _ruler(args):
     result = ruler.run(args.model, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                        out=args.out, budgets=args.budgets or None, sinks=args.sinks,
                        window_only=args.window_only, haystack=args.haystack,
-                       seed=args.seed)
+                       seed=args.seed, retain=args.retain, retain_score=args.retain_score)
     print("\n" + result["table_markdown"] + f"\n→ {args.out}")
 
 
@@ -182,6 +183,11 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--window-only", action="store_true",
                    help="MODEL is full attention: evaluate it as sinks + window softmax alone at each budget "
                         "(the baseline with no linear state)")
+    p.add_argument("--retain", type=non_negative_int, default=0,
+                   help="tokens kept for their content within each budget (sinks + window + retain = budget; "
+                        "docs/retention.md)")
+    p.add_argument("--retain-score", choices=list(RETAIN_SCORES), default="recall",
+                   help="what a token leaving the window is scored by (default: recall)")
     p.add_argument("--haystack", help="haystack text for niah_single_2/3, multikey, multivalue and multiquery "
                                       "(default: RULER's Paul Graham essays)")
     p.add_argument("--seed", type=non_negative_int, default=0)

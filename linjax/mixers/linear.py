@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from linjax.adapters import LoRA, ShortConv
-from linjax.kernels import scaling
+from linjax.kernels import retention, scaling
 from linjax.kernels.swa import SoftmaxParts
 from linjax.layers import AttentionProjections, Trainable, float32_array
 from linjax.mixers.sinks_window import SinksWindow
@@ -58,6 +58,10 @@ class LinearMixer(nnx.Module):
     kernel = None  # a module of linjax.kernels with reference/chunked/step/pallas
     normalized = False  # True for normalised linear attention (Hedgehog): shares the softmax normaliser
     linear_scale = None  # the mechanism's default scale (None: the kernel's Dk^-1/2)
+    # Linear inputs (k', v', *gates) that belong to a step rather than to a token: the decay, the first
+    # gate of every gated mechanism. With retained tokens the state decays by the leaving token's gate at
+    # each step, whichever token it stores (SinksWindow.retaining_step).
+    decay_inputs = (2,)
 
     def __init__(self, proj: AttentionProjections, settings, *, rngs: nnx.Rngs):
         """`proj`: the pretrained projections (shared, not copied); `settings`: a LinearizeConfig."""
@@ -138,9 +142,15 @@ class LinearMixer(nnx.Module):
         conv = None if self.conv is None else self.conv.empty_caches(
             batch, heads * head_dim, kv_heads * head_dim, dtype)
         # One ring per linear input, shaped like a single time step of it (traced only with a window).
-        window = None if not self.sinks_window.window else self.sinks_window.empty_cache(
-            batch, kv_heads, head_dim, dtype, linear_inputs=self._linear_input_shapes(batch, dtype))
+        window = None
+        if self.sinks_window.window:
+            shapes = self._linear_input_shapes(batch, dtype)
+            window = self.sinks_window.empty_cache(batch, kv_heads, head_dim, dtype, linear_inputs=shapes,
+                                                   stays=self._stays(shapes))
         return LinearState(linear, jnp.zeros((), jnp.int32), conv, window)
+
+    def _stays(self, linear_inputs) -> tuple:
+        return tuple(i for i in self.decay_inputs if i < len(linear_inputs))
 
     def _linear_input_shapes(self, batch, dtype):
         """Shapes of (k', v', *gates) for one token, found by tracing the mixer's own transforms."""
@@ -155,6 +165,8 @@ class LinearMixer(nnx.Module):
         return jax.eval_shape(one_token, jax.ShapeDtypeStruct((batch, 1, d), dtype))
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: LinearState | None = None):
+        if self.sinks_window.retain:
+            return self._call_retaining(x, positions, state)
         q, k, v = self.proj.qkv(x, positions, self.lora)
         softmax_qkv = (q, k, v)  # the window attends with the pretrained queries and keys as they are
         (q, k, v), conv_state = self._short_conv(q, k, v, state)
@@ -167,6 +179,46 @@ class LinearMixer(nnx.Module):
         out = self.proj.out(y.astype(x.dtype), self.lora)
         if state is None:
             return out
+        return out, LinearState(linear_state, state.length + x.shape[1], conv_state, window_state)
+
+    def _call_retaining(self, x, positions, state: LinearState | None, retain_nothing: bool = False):
+        """The mixer with retained tokens: every mode (training, prefill, decode) is a `lax.scan` of one
+        decode step over the tokens, so a prefill then decode equals decoding the prompt token by token
+        by construction. Sequential in T (the retained set depends on the state); projections, short
+        conv, features and gates still run over the whole block. `retain_nothing`: the same scan with
+        no retained slots (the window's decode step, token by token), for tests."""
+        q, k, v = self.proj.qkv(x, positions, self.lora)
+        softmax_qkv = (q, k, v)
+        (q, k, v), conv_state = self._short_conv(q, k, v, state)
+        q, k = self.features(q, k)
+        linear_inputs = (k, v) + tuple(self.gates(x, k))
+        stays = self._stays(linear_inputs)
+        start = self.init_state(x.shape[0], 0, x.dtype) if state is None else state
+        window = start.window._replace(retained=None) if retain_nothing else start.window
+
+        def one_token(carry, token):
+            linear, window = carry
+            sq, sk, sv, lq, *lin = (a[:, None] for a in token)
+
+            def recall(keys, values, decay):
+                return retention.recall_error(linear, keys, values, decay, normalized=self.normalized)
+
+            parts, (lk, lv, *lgates), window = self.sinks_window.retaining_step(
+                sq, sk, sv, linear_inputs=tuple(lin), cache=window, recall=recall, stays=stays)
+            out, linear, normaliser = self._run_kernel(lq, lk, lv, lgates, LinearState(linear, None, None, None))
+            first = lambda a: a[:, 0]  # the step's own time axis of one
+            return (linear, window), jax.tree.map(first, (out, normaliser, parts))
+
+        time_first = lambda a: jnp.moveaxis(a, 1, 0)
+        tokens = tuple(map(time_first, softmax_qkv + (q,) + linear_inputs))
+        (linear_state, window_state), per_token = jax.lax.scan(one_token, (start.linear, window), tokens)
+        lin_out, normaliser, parts = jax.tree.map(time_first, per_token)
+        y = self._combine(*self._apply_gain(lin_out, normaliser), parts)
+        out = self.proj.out(y.astype(x.dtype), self.lora)
+        if state is None:
+            return out
+        if retain_nothing:
+            window_state = window_state._replace(retained=start.window.retained)
         return out, LinearState(linear_state, state.length + x.shape[1], conv_state, window_state)
 
     def _short_conv(self, q, k, v, state):

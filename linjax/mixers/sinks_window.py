@@ -18,6 +18,12 @@ this module picks the form for each of the three modes and keeps the decode cach
                                one token leaving the window (swa.leaving_window)
 
 With w = 0 (pure linear attention) it passes the linear inputs through and adds nothing.
+
+With `retain` = R > 0 (issue 37, kernels/retention.py) R more tokens per kv head are kept for
+their content: I_t = sinks ∪ window ∪ R_t, and the linear kernel gets, at each step, the token
+that lost (or never won) a retained slot in place of the token leaving the window. Which tokens
+are retained depends on the state, so all three modes run `retaining_step` token by token (the
+mixer scans it over a prompt; sequential, exact).
 """
 
 from __future__ import annotations
@@ -28,20 +34,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linjax.kernels import swa
+from linjax.kernels import retention, swa
 from linjax.kernels.swa import SoftmaxParts, WindowCache
 
 
 class SinksWindowCache(NamedTuple):
     """What `SinksWindow` keeps between calls. Its size depends on s and w only, not on the context.
 
-    A further kind of retained token (kept for its content, beside the sinks and the window) adds a
-    field here, defaulting to None, and its own branch in `SinksWindow`.
+    `retained`: the tokens kept for their content (`retain` > 0; kernels/retention.py), else None.
     """
 
     softmax: WindowCache  # the pretrained keys/values of the sinks (slots) and the window (a ring)
     linear_inputs: tuple | None = None  # rings [B, w, ...] of the linear inputs (k', v', *gates) still
     #                                     in the window; None when there is no linear term
+    retained: retention.RetainedCache | None = None
 
     @property
     def length(self) -> jax.Array:
@@ -52,12 +58,19 @@ class SinksWindowCache(NamedTuple):
 class SinksWindow(nnx.Module):
     """The sinks + window part of a mixer: settings, three-mode dispatch and decode cache. No parameters."""
 
-    def __init__(self, *, sinks: int, window: int, chunk: int | None = None, use_pallas: bool = False):
+    def __init__(self, *, sinks: int, window: int, chunk: int | None = None, use_pallas: bool = False,
+                 retain: int = 0, retain_score: str = "recall"):
         if sinks < 0 or window < 0:
             raise ValueError(f"window and sinks must be ≥ 0, got window={window}, sinks={sinks}")
         if sinks and not window:
             raise ValueError(f"sinks={sinks} need a window ≥ 1 (the current token is always attended exactly)")
+        if retain < 0 or (retain and not window):
+            raise ValueError(f"retain={retain} must be ≥ 0, and > 0 needs a window ≥ 1 (tokens are scored as they "
+                             f"leave it); got window={window}")
+        if retain_score not in retention.SCORES:
+            raise ValueError(f"unknown retain_score {retain_score!r}; choose one of {list(retention.SCORES)}")
         self.sinks, self.window = sinks, window
+        self.retain, self.retain_score = retain, retain_score
         self.chunk = chunk  # the softmax kernel's query block; None: swa.CHUNK
         self.use_pallas = use_pallas
 
@@ -65,23 +78,38 @@ class SinksWindow(nnx.Module):
     def from_settings(cls, settings) -> "SinksWindow":
         """From a LinearizeConfig."""
         return cls(sinks=settings.sinks, window=settings.window, chunk=settings.chunk,
-                   use_pallas=settings.uses_pallas())
+                   use_pallas=settings.uses_pallas(), retain=settings.retain, retain_score=settings.retain_score)
 
-    def with_budget(self, *, sinks: int, window: int) -> "SinksWindow":
-        """A new SinksWindow with another cache budget and the same kernels."""
-        return SinksWindow(sinks=sinks, window=window, chunk=self.chunk, use_pallas=self.use_pallas)
+    def with_budget(self, *, sinks: int, window: int, retain: int | None = None,
+                    retain_score: str | None = None) -> "SinksWindow":
+        """A new SinksWindow with another cache budget (retained slots and their score unchanged unless
+        given) and the same kernels."""
+        return SinksWindow(sinks=sinks, window=window, chunk=self.chunk, use_pallas=self.use_pallas,
+                           retain=self.retain if retain is None else retain,
+                           retain_score=self.retain_score if retain_score is None else retain_score)
 
     def empty_cache(self, batch: int, kv_heads: int, head_dim: int, dtype=jnp.float32,
-                    linear_inputs: tuple | None = None) -> SinksWindowCache | None:
+                    linear_inputs: tuple | None = None, stays: tuple = ()) -> SinksWindowCache | None:
         """The cache before the first token; None without a window. `linear_inputs`: the shapes of one
-        token of each linear input (k', v', *gates, [B, 1, ...]), one ring each; None: no linear term."""
+        token of each linear input (k', v', *gates, [B, 1, ...]), one ring each; None: no linear term.
+        `stays`: with `retain`, the indices of the linear inputs that belong to the step, not the token
+        (the decay), which retained slots do not keep (see `retaining_step`)."""
         if not self.window:
             return None
         softmax = swa.empty_cache(batch, kv_heads, head_dim, head_dim, sinks=self.sinks, window=self.window,
                                   dtype=dtype)
         rings = None if linear_inputs is None else tuple(
             jnp.zeros((batch, self.window) + s.shape[2:], s.dtype) for s in linear_inputs)
-        return SinksWindowCache(softmax, rings)
+        retained = None
+        if self.retain:
+            if linear_inputs is None:
+                raise ValueError("retained tokens are written into a linear state when they lose their slot; "
+                                 "retain > 0 needs a linear mechanism")
+            one = jax.ShapeDtypeStruct((batch, kv_heads, head_dim), dtype)
+            travelling = [jax.ShapeDtypeStruct((batch,) + s.shape[2:], s.dtype)
+                          for i, s in enumerate(linear_inputs) if i not in stays]
+            retained = retention.empty(batch, self.retain, kv_heads, (one, one, *travelling))
+        return SinksWindowCache(softmax, rings, retained)
 
     def __call__(self, q, k, v, *, linear_inputs: tuple = (), cache: SinksWindowCache | None = None):
         """(softmax parts or None, shifted linear inputs, cache after these tokens or None).
@@ -122,3 +150,45 @@ class SinksWindow(nnx.Module):
             parts, softmax = swa.step(q[:, 0], k[:, 0], v[:, 0], cache.softmax)
             return jax.tree.map(lambda a: a[:, None], parts), softmax
         return swa.prefill(q, k, v, cache.softmax, **chunk)
+
+    def retaining_step(self, q, k, v, *, linear_inputs: tuple, cache: SinksWindowCache, recall, stays: tuple = ()):
+        """One token with retained slots (or, with retain = 0, the decode step in the same form).
+
+        q, k, v [B, 1, H(kv), D]: the pretrained projections after RoPE; linear_inputs (k', v', *gates)
+        [B, 1, ...] of this token. The token at position t − w leaves the window now. If it is not a sink
+        it is scored and offered a slot (retention.admit). `retain_score` "key_norm" needs no state;
+        "recall" calls `recall(k', v', decay)` ([B, N, ...] → [B, N, Hkv]: the mixer's state asked how
+        badly it would recall N tokens written into it at this step) for the leaving token and again
+        for every retained one, whose scores are replaced: a token kept when the state was empty (all
+        score 1 then) must give way once the state recalls it better than a newcomer.
+        Returns (softmax parts over sinks ∪ window ∪ retained [B, 1, H, ...], linear inputs for the
+        kernel's step, cache after the token). The kernel's inputs are those of the token written into
+        the state (the evicted or the refused one; key zeroed when there is none), except those at
+        `stays` (the decay), which are the leaving token's: the state decays by the same gates, in the
+        same order, as without retention, and only what it stores changes.
+        """
+        t = cache.length
+        leaving = swa.leaving_window(cache.linear_inputs, t, sinks=self.sinks)  # key zeroed for a sink
+        rings = tuple(swa.write_ring(ring, x, t) for ring, x in zip(cache.linear_inputs, linear_inputs))
+        parts, softmax = swa.step(q[:, 0], k[:, 0], v[:, 0], cache.softmax)
+        written, retained = leaving, cache.retained
+        if retained is not None:
+            slot = lambda ring: jax.lax.dynamic_slice_in_dim(ring, t % self.window, 1, axis=1)[:, 0]
+            softmax_entry = (slot(cache.softmax.ring_k), slot(cache.softmax.ring_v))
+            if self.retain_score == "key_norm":
+                score = retention.key_norm(softmax_entry[0])
+            else:
+                decay = leaving[stays[0]][:, 0] if stays else None
+                score = recall(leaving[0], leaving[1], decay)[:, 0]
+                held = recall(retained.entries[2], retained.entries[3], decay)
+                retained = retained._replace(score=jnp.where(retained.position >= 0, held, -jnp.inf))
+            travelling = [x[:, 0] for i, x in enumerate(leaving) if i not in stays]
+            retained, entry, entry_valid = retention.admit(retained, softmax_entry + tuple(travelling), score,
+                                                           t - self.window, t - self.window >= self.sinks)
+            entry = iter(entry[2:])
+            written = [x if i in stays else next(entry)[:, None] for i, x in enumerate(leaving)]
+            written[0] = jnp.where(entry_valid[:, None, :, None], written[0], jnp.zeros((), written[0].dtype))
+            parts = retention.merge(parts, retention.attend(q[:, 0], retained.entries[0], retained.entries[1],
+                                                            retained.position))
+        parts = jax.tree.map(lambda a: a[:, None], parts)
+        return parts, tuple(written), SinksWindowCache(softmax, rings, retained)

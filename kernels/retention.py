@@ -1,0 +1,182 @@
+"""A fixed number of past tokens kept for their content, beside the sinks and the window (issue 37).
+
+The paper names the step it did not take: "combining GDN with content-aware token
+retention to improve multi-item retrieval under a fixed cache budget" (sec. 6; LoLA
+and STILL keep extra tokens by content). With R retained slots per kv head, the
+softmax part of the final recipe runs over
+
+    I_t = sinks ∪ window ∪ R_t,
+
+R_t the tokens that scored highest when they left the window. A token leaving the
+window is a candidate: it takes a slot if one is empty or if its score is above
+the lowest score held (ties keep the older token); the token that loses its slot,
+or the candidate that is not admitted, is written into the linear state at that
+step, as the leaving token is without retention. So every past token is in exactly
+one of sinks, window, retained slots or state.
+
+Pure functions, one kv head's slots independent of another's:
+
+    empty(batch, retain, entries) -> RetainedCache        entries: one token's arrays [B, Hkv or H, ...]
+    admit(cache, candidate, score, position, valid) -> (cache, written, written_valid)
+    attend(q, cache, scale) -> SoftmaxParts               the retained keys' share of the softmax
+    merge(a, b) -> SoftmaxParts                           two parts over disjoint keys as one
+    key_norm(k) -> scores                                 ‖k‖ of the pretrained key
+    recall_error(state, k, v, log_alpha, normalized) -> scores   LoLA's ‖v − Sᵀk‖ / ‖v‖, now
+
+An entry is every array that travels with a token into a slot: the pretrained k and
+v the softmax reads, and the linear inputs (k', v', gates) written into the state if
+it is evicted. Arrays per kv head are [B, Hkv, ...]; per query head [B, H, ...]
+(H = G · Hkv, query head h belongs to kv head h // G, as contract.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linjax.kernels.contract import default_scale, expand_kv_heads
+from linjax.kernels.swa import SoftmaxParts
+
+SCORES = ("recall", "key_norm")
+
+_MASKED = -1e30  # as swa._MASKED: a finite "−inf" keeps the row max finite
+
+
+class RetainedCache(NamedTuple):
+    """R slots per kv head. entries: arrays [B, R, Hkv or H, ...] (see the module docstring);
+    score [B, R, Hkv] fp32 (−inf where empty); position [B, R, Hkv] int32 (−1 where empty)."""
+
+    entries: tuple
+    score: jax.Array
+    position: jax.Array
+
+    @property
+    def retain(self) -> int:
+        return self.score.shape[1]
+
+
+def empty(batch: int, retain: int, kv_heads: int, entries: tuple) -> RetainedCache:
+    """No token retained yet. `entries`: one token's arrays (or their shapes) [B, heads, ...]."""
+    slots = tuple(jnp.zeros((batch, retain) + tuple(e.shape[1:]), e.dtype) for e in entries)
+    return RetainedCache(slots, jnp.full((batch, retain, kv_heads), -jnp.inf, jnp.float32),
+                         jnp.full((batch, retain, kv_heads), -1, jnp.int32))
+
+
+def _per_heads(index, heads: int):
+    """A slot index per kv head [B, Hkv] as one per `heads` (Hkv, or H query heads of G per kv head)."""
+    return jnp.repeat(index, heads // index.shape[1], axis=1)
+
+
+def _take_slot(slots, index):
+    """slots [B, R, heads, ...], index [B, heads] -> [B, heads, ...], the slot each head names."""
+    index = _per_heads(index, slots.shape[2])
+    index = index.reshape(index.shape[:1] + (1,) + index.shape[1:] + (1,) * (slots.ndim - 3))
+    return jnp.take_along_axis(slots, index, axis=1)[:, 0]
+
+
+def _put_slot(slots, index, value, where):
+    """slots with slot index[b, h] of head h set to value [B, heads, ...] where `where` [B, Hkv]."""
+    heads = slots.shape[2]
+    hit = jnp.arange(slots.shape[1])[None, :, None] == _per_heads(index, heads)[:, None, :]  # [B, R, heads]
+    hit = hit & _per_heads(where, heads)[:, None, :]
+    hit = hit.reshape(hit.shape + (1,) * (slots.ndim - 3))
+    return jnp.where(hit, value[:, None].astype(slots.dtype), slots)
+
+
+def _expand_to(mask, x):
+    """mask [B, heads] with trailing axes of one to broadcast against x [B, heads, ...]."""
+    return mask.reshape(mask.shape + (1,) * (x.ndim - 2))
+
+
+def _weakest_slot(cache: RetainedCache):
+    """[B, Hkv] the slot a candidate competes with: the lowest score, among equal scores the newest
+    token (so ties keep the older), among empty slots the first."""
+    score, position = cache.score, cache.position
+    lowest = score == jnp.min(score, axis=1, keepdims=True)
+    newest_lowest = jnp.where(lowest, position, jnp.iinfo(jnp.int32).min)
+    return jnp.argmax(lowest & (position == jnp.max(newest_lowest, axis=1, keepdims=True)), axis=1)
+
+
+def admit(cache: RetainedCache, candidate: tuple, score, position, valid):
+    """One token leaving the window, per kv head: (cache after it, the entry written into the state,
+    whether that entry is a token).
+
+    candidate: the token's entries [B, heads, ...] in `cache.entries` order; score [B, Hkv]; position:
+    its position ([] int32); valid [] or [B, Hkv] bool: False when no token leaves (t < window) or
+    the leaving one is a sink, which is already kept. A valid candidate is admitted when a slot is
+    empty or its score is above the weakest slot's (`_weakest_slot`); then the token it replaces (if
+    any) is written, else the candidate itself.
+    """
+    score = score.astype(jnp.float32)
+    valid = jnp.broadcast_to(valid, score.shape)
+    slot = _weakest_slot(cache)
+    held_score = jnp.take_along_axis(cache.score, slot[:, None], axis=1)[:, 0]
+    held_position = jnp.take_along_axis(cache.position, slot[:, None], axis=1)[:, 0]
+    admitted = valid & (score > held_score)
+    held = tuple(_take_slot(slots, slot) for slots in cache.entries)
+    written = tuple(jnp.where(_expand_to(_per_heads(admitted, h.shape[1]), h), h, c.astype(h.dtype))
+                    for h, c in zip(held, candidate))
+    written_valid = jnp.where(admitted, held_position >= 0, valid)
+    new = RetainedCache(
+        tuple(_put_slot(slots, slot, c, admitted) for slots, c in zip(cache.entries, candidate)),
+        _put_slot(cache.score, slot, score, admitted),
+        _put_slot(cache.position, slot, jnp.broadcast_to(position, score.shape), admitted))
+    return new, written, written_valid
+
+
+def attend(q, k, v, position, *, scale=None) -> SoftmaxParts:
+    """The retained tokens' softmax parts for one query token. q [B, H, Dk]; k, v [B, R, Hkv, D]
+    (the slots' pretrained keys and values); position [B, R, Hkv] (−1: empty, masked)."""
+    B, H, Dk = q.shape
+    R, Hkv = k.shape[1], k.shape[2]
+    scale = default_scale(scale, Dk)
+    qg = q.astype(jnp.float32).reshape(B, Hkv, H // Hkv, Dk)
+    scores = scale * jnp.einsum("bkgd,brkd->bkgr", qg, k.astype(jnp.float32))
+    held = jnp.moveaxis(position >= 0, 1, 2)[:, :, None, :]  # [B, Hkv, 1, R]
+    masked = jnp.where(held, scores, _MASKED)
+    row_max = masked.max(axis=-1)
+    p = jnp.where(held, jnp.exp(masked - row_max[..., None]), 0.0)
+    numerator = jnp.einsum("bkgr,brke->bkge", p, v.astype(jnp.float32))
+    return SoftmaxParts(numerator.reshape(B, H, -1), row_max.reshape(B, H), p.sum(-1).reshape(B, H))
+
+
+def merge(a: SoftmaxParts, b: SoftmaxParts) -> SoftmaxParts:
+    """One softmax over the union of two disjoint key sets, from each set's parts."""
+    row_max = jnp.maximum(a.row_max, b.row_max)
+    wa, wb = jnp.exp(a.row_max - row_max), jnp.exp(b.row_max - row_max)
+    return SoftmaxParts(a.numerator * wa[..., None] + b.numerator * wb[..., None], row_max,
+                        a.row_sum * wa + b.row_sum * wb)
+
+
+def key_norm(k):
+    """‖k‖ per kv head of the pretrained (post-RoPE) key, k [B, Hkv, Dk] -> [B, Hkv]: tokens with large
+    keys draw attention wherever they are; the cheap score, no state needed."""
+    k = k.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(k * k, axis=-1))
+
+
+def recall_error(state, k, v, log_alpha=None, *, normalized: bool = False, eps: float = 1e-6):
+    """LoLA's self-recall error of tokens against the state they would enter now, per kv head [B, N, Hkv]:
+
+        ‖v − Sᵀk‖ / ‖v‖,   S = Diag(α) S_prev (the decay of this step applied first, as the delta rule does)
+
+    averaged over the query heads of each kv head (each has its own state). A token the state already
+    reproduces loses little by being written into it; one it cannot reproduce is worth a slot.
+    state [B, H, Dk', Dv'] fp32; k [B, N, Hkv, Dk'], v [B, N, Hkv, Dv] the linear inputs of N tokens;
+    log_alpha [B, H, Dk'], [B, H] or None. `normalized` (Hedgehog's [v, 1] state): the readout
+    Sᵀk[:Dv] / Sᵀk[Dv].
+    """
+    H, Hkv = state.shape[1], k.shape[2]
+    S = state
+    if log_alpha is not None:
+        la = log_alpha.astype(jnp.float32)
+        S = S * jnp.exp(la if la.ndim == 3 else la[..., None])[..., None]
+    k32, v32 = expand_kv_heads(k.astype(jnp.float32), H), expand_kv_heads(v.astype(jnp.float32), H)
+    recalled = jnp.einsum("bnhk,bhkv->bnhv", k32, S)
+    if normalized:
+        recalled = recalled[..., :-1] / (recalled[..., -1:] + eps)
+    # max, not + eps: against an empty state every token scores exactly 1 (ties keep the older)
+    error = jnp.linalg.norm(v32 - recalled, axis=-1) / jnp.maximum(jnp.linalg.norm(v32, axis=-1), eps)
+    return error.reshape(error.shape[:2] + (Hkv, H // Hkv)).mean(-1)
