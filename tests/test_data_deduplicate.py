@@ -1,6 +1,7 @@
 """`data.deduplicate`: each distinct training document read once (issue 38: the 281 webtext "agreement"
 documents repeat "majority" ones); off by default, so recorded runs read what they read."""
 
+from tests.helpers import missing
 import json
 import os
 
@@ -45,6 +46,6 @@ def test_the_claims_training_text_holds_548_distinct_documents():
     root = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
     paths = [os.path.join(root, "webtext"), os.path.join(root, "ruler", "gkamradt_PaulGrahamEssays")]
     if not all(os.path.isdir(p) for p in paths):
-        pytest.skip(f"the training text is not under {root} (set LINJAX_DATA_DIR)")
+        missing(f"the training text is not under {root} (set LINJAX_DATA_DIR)")
     assert len(read_documents(paths)) == 829
     assert len(read_documents(paths, deduplicate=True)) == 548

@@ -1,5 +1,6 @@
 """`linjax eval perplexity`: the scored tokens and the number itself, from the command line."""
 
+from tests.helpers import missing
 import json
 import math
 
@@ -121,7 +122,7 @@ def test_wikitext2_test_file_has_62_article_headings_in_order(tokenizer):
                                                                         "shared", "data")),
                         "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")
     if not os.path.exists(path):
-        pytest.skip(f"WikiText-2 test file not found at {path} (set LINJAX_DATA_DIR)")
+        missing(f"WikiText-2 test file not found at {path} (set LINJAX_DATA_DIR)")
     with open(path, encoding="utf-8") as f:  # as `linjax eval perplexity` reads it
         text = f.read()
     assert len(article_starts(text)) == 62
