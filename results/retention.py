@@ -282,7 +282,8 @@ def report_text() -> str:
     depths = correct_depths(cells["window-only"])
     if depths:
         lines.append("- window-only's correct samples have their needle at depth "
-                     + ", ".join(f"{d:.2f}" for d in depths) + " (depth 1.00: the end of the haystack, inside any window)")
+                     + ", ".join(f"{d:.2f}" for d in depths)
+                     + " (depth 1.00: the end of the haystack, inside any window)")
     if isinstance(retention, Measured) and isinstance(window_only, Measured):
         beats = retention.interval[0] > window_only.interval[1]
         lines.append(f"- weaker, not the issue's claim: retention by recall beats window-only with non-overlapping "
