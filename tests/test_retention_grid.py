@@ -139,3 +139,15 @@ def test_report_writes_the_markdown_file(grid):
     with open(path) as f:
         text = f.read()
     assert text.startswith("# Retained tokens on S-NIAH") and "1.00 (20/20) [0.84, 1.00]" in text
+
+
+def test_run_calls_linjax_eval_ruler_once_per_missing_cell(grid, monkeypatch):
+    calls = []
+    monkeypatch.setattr(grid.subprocess, "run", lambda command, **kwargs: calls.append((command, kwargs)))
+    write_cell(grid, "final-recall-128-niah1-2048", 14)
+    grid.run(only="*-128-niah1-2048")
+    assert [command[command.index("--out") + 1].rsplit("/", 1)[-1] for command, _ in calls] == [
+        "window-only-128-niah1-2048.json", "final-keynorm-128-niah1-2048.json", "final-128-niah1-2048.json"]
+    command, kwargs = calls[0]
+    assert os.path.basename(command[0]) == "linjax" and command[1:3] == ["eval", "ruler"]
+    assert kwargs == {"cwd": grid.ROOT, "check": True}  # a failed cell stops the run
