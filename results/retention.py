@@ -259,14 +259,14 @@ def report_text() -> str:
               "Recall (LoLA's self-recall error) against key norm, where both cells ran: decided only when "
               "their 95% intervals do not overlap.", "",
               "| budget | task | length | recall | key_norm | better |", "|---|---|---|---|---|---|"]
-    for budget in RETAINED:
-        for task, ruler_task in TASKS.items():
-            for length in LENGTHS:
-                recall = by_name[Cell("final-recall", budget, task, length).name]
-                key_norm = by_name[Cell("final-keynorm", budget, task, length).name]
-                if isinstance(recall, Measured) and isinstance(key_norm, Measured):
-                    lines.append(f"| {budget} | {ruler_task} | {length:,} | {recall.text()} | {key_norm.text()} | "
-                                 f"{better_score(recall, key_norm)} |")
+    compared = [(budget, ruler_task, length, by_name[Cell("final-recall", budget, task, length).name],
+                 by_name[Cell("final-keynorm", budget, task, length).name])
+                for budget in RETAINED for task, ruler_task in TASKS.items() for length in LENGTHS]
+    compared = [row for row in compared if isinstance(row[3], Measured) and isinstance(row[4], Measured)]
+    lines += [f"| {budget} | {ruler_task} | {length:,} | {recall.text()} | {key_norm.text()} | "
+              f"{better_score(recall, key_norm)} |" for budget, ruler_task, length, recall, key_norm in compared]
+    if not compared:
+        lines.append("| — | — | — | — | — | no cell ran with both scores yet |")
     cells = claim_cells()
     retention, key_norm, window_only = (read_cell(cells[k]) for k in ("retention", "key_norm", "window-only"))
     verdict, reasons = claim_verdict(retention, window_only)
@@ -283,7 +283,7 @@ def report_text() -> str:
     if depths:
         lines.append("- window-only's correct samples have their needle at depth "
                      + ", ".join(f"{d:.2f}" for d in depths)
-                     + " (depth 1.00: the end of the haystack, inside any window)")
+                     + " (depth 1.00: the end of the haystack, just before the question)")
     if isinstance(retention, Measured) and isinstance(window_only, Measured):
         beats = retention.interval[0] > window_only.interval[1]
         lines.append(f"- weaker, not the issue's claim: retention by recall beats window-only with non-overlapping "

@@ -106,6 +106,7 @@ def test_the_claim_does_not_hold_below_0_8_or_with_window_only_above_0(grid):
     text = grid.report_text()
     assert "- **does not hold**: retention scores 0.70 < 0.8; window-only scores 0.05 > 0" in text
     assert "needle at depth 1.00 (depth 1.00: the end of the haystack" in text
+    assert "| 128 | niah_single_1 |" not in text and "no cell ran with both scores yet" in text
 
 
 def test_missing_or_mismatched_cells_are_not_run_and_leave_the_claim_undecided(grid):
