@@ -3,12 +3,18 @@
 The paper's protocol (sec. 3.3, "Latency, Memory, and Approximation Error", and the appendix's
 "Latency and memory"): batch 8; for each prompt length L run a forward pass over the prompt,
 then decode 16 new tokens; report the end-to-end time of those 16 steps and the peak memory of
-the run. Three implementations of the same weights:
+the run. Implementations of the same weights (the first, second and fourth run by default):
 
     full          linjax, softmax attention over a preallocated KV cache [B, Hkv, L+16, D] per layer
     linearized    linjax, GDN + window 56 + sinks 8 + short conv (the paper's final recipe; its new
                   parameters are untrained, which does not change the work per token)
+    retained      linearized, plus `retain` tokens per layer and kv head kept for their content
+                  (default 64 by "recall"; --retain, --retain-score; docs/retention.md, issue 37)
     transformers  transformers' own model with its DynamicCache: what a user would otherwise run
+
+Beside the timings, the decode cache's bytes per layer at each L for the linjax implementations,
+from the cache shapes (deterministic, not measured): a KV cache grows with L; the linear state,
+with or without retained tokens, does not.
 
 Only the decode steps are timed, so by default a random stand-in replaces the prefill: the
 decode state of the right shapes with random values and its token counters set to L (a batch-8
@@ -23,6 +29,7 @@ KV-cache point whose cache alone exceeds the available memory is not started.
 
     python bench/latency.py --lengths 1024,2048 --out results/bench/latency
     linjax bench latency --lengths 1024,2048,4096,8192,16384,32768 --out results/latency
+    linjax bench latency --implementations linearized,retained --retain 64 --retain-score recall
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ from importlib import metadata
 
 import linjax
 from linjax.eval import latency_point
-from linjax.eval.latency_point import IMPLEMENTATIONS, kv_cache_bytes
+from linjax.eval.latency_point import (DEFAULT_RETAIN, DEFAULT_RETAIN_SCORE, IMPLEMENTATIONS, LINJAX_IMPLEMENTATIONS,
+                                       cache_bytes_per_layer, implementation_label, kv_cache_bytes)
 from linjax.files import pyplot, write_figure, write_json, write_text
 
 KV_CACHE_IMPLEMENTATIONS = ("full", "transformers")  # state grows with L: checked against free memory first
+LINEAR_IMPLEMENTATIONS = ("linearized", "retained")  # state fixed in L: their peak memory should be flat
+DEFAULT_IMPLEMENTATIONS = ("full", "linearized", "transformers")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 BATCH = 8  # the paper's batch
 DECODE_TOKENS = 16  # the paper times 16 new tokens
@@ -64,6 +74,26 @@ def parse_lengths(text) -> list[int]:
     if not lengths or any(n <= 0 for n in lengths):
         raise ValueError(f"lengths must be positive integers like '1024,2048', got {text!r}")
     return lengths
+
+
+def retention_settings(implementations, retain: int | None, retain_score: str | None) -> dict | None:
+    """{"retain", "retain_score"} of the "retained" implementation (defaults filled in), or None when it
+    does not run; refuses retention settings given without it, and a retain below 1."""
+    if "retained" not in implementations:
+        if retain is not None or retain_score is not None:
+            raise ValueError("--retain and --retain-score set the 'retained' implementation; add it to "
+                             "--implementations, e.g. full,linearized,retained")
+        return None
+    settings = {"retain": DEFAULT_RETAIN if retain is None else retain,
+                "retain_score": DEFAULT_RETAIN_SCORE if retain_score is None else retain_score}
+    from linjax.linearize import RETAIN_SCORES
+
+    if not isinstance(settings["retain"], int) or settings["retain"] < 1:
+        raise ValueError(f"retain must be a positive integer (tokens per layer and kv head), "
+                         f"got {settings['retain']!r}")
+    if settings["retain_score"] not in RETAIN_SCORES:
+        raise ValueError(f"unknown retain_score {settings['retain_score']!r}; choose from {', '.join(RETAIN_SCORES)}")
+    return settings
 
 
 def parse_implementations(text) -> list[str]:
@@ -111,7 +141,7 @@ def failed_point(returncode: int, stderr: str) -> dict:
 
 def run_point(implementation: str, length: int, *, batch: int, decode_tokens: int, repeats: int, model: str,
               hf_dir: str | None, real_prefill: bool, seed: int, threads: int | None, timeout_s: float | None,
-              work_dir: str) -> dict:
+              work_dir: str, retention: dict | None = None) -> dict:
     """Runs one point in a fresh Python process; returns its measurements or why there are none."""
     result_path = os.path.join(work_dir, f".point-{implementation}-{length}.json")
     if os.path.exists(result_path):
@@ -124,6 +154,8 @@ def run_point(implementation: str, length: int, *, batch: int, decode_tokens: in
     command += ["--hf-dir", hf_dir] if hf_dir else []
     command += ["--real-prefill"] if real_prefill else []
     command += ["--threads", str(threads)] if threads else []
+    if retention:
+        command += ["--retain", str(retention["retain"]), "--retain-score", retention["retain_score"]]
     # On a GPU, JAX would otherwise reserve 75% of it up front; peak_bytes_in_use is exact either way.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", TRANSFORMERS_VERBOSITY="error")
     start = time.perf_counter()
@@ -193,10 +225,11 @@ def _meminfo_total():
         return None
 
 
-def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batch: int = BATCH,
+def run(*, implementations=DEFAULT_IMPLEMENTATIONS, lengths=DEFAULT_LENGTHS, batch: int = BATCH,
         decode_tokens: int = DECODE_TOKENS, repeats: int = 3, model: str = DEFAULT_MODEL, hf_dir: str | None = None,
         real_prefill: bool = False, memory_limit_bytes: int | None = None, threads: int | None = None,
-        timeout_s: float | None = None, seed: int = 0, out_dir: str, progress=print) -> dict:
+        timeout_s: float | None = None, seed: int = 0, out_dir: str, progress=print, retain: int | None = None,
+        retain_score: str | None = None) -> dict:
     """The whole benchmark: every implementation at every length, smallest L first; writes
     latency.json after every point, then latency.md and latency.png. Returns the JSON's content.
 
@@ -205,6 +238,7 @@ def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batc
     complete, its longer lengths are skipped.
     """
     implementations, lengths = parse_implementations(implementations), sorted(set(parse_lengths(lengths)))
+    retention = retention_settings(implementations, retain, retain_score)
     for name, value in (("batch", batch), ("decode_tokens", decode_tokens), ("repeats", repeats)):
         if int(value) < 1:
             raise ValueError(f"{name} must be ≥ 1, got {value}")
@@ -226,15 +260,18 @@ def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batc
         "prefill_note": ("each point runs the real prefill of L random tokens" if real_prefill else
                          "no prefill runs: the decode state has the shapes a prefill of L tokens leaves, random "
                          "values, and its token counters set to L (only the decode steps are timed)"),
-        "implementations": {k: IMPLEMENTATIONS[k] for k in implementations},
+        "implementations": {k: implementation_label(k, **(retention or {})) for k in implementations},
+        "retention": retention,
         "lengths": lengths, "points": [],
+        "cache_bytes_per_layer": cache_table(hf_config, implementations, lengths, decode_tokens, retention),
     }
     stopped = {}  # implementation → why its longer lengths are skipped
     total = len(lengths) * len(implementations)
     for length in lengths:
         for impl in implementations:
-            label = f"[{len(result['points']) + 1}/{total}] {IMPLEMENTATIONS[impl]} L={length}"
-            point = {"impl": impl, "name": IMPLEMENTATIONS[impl], "L": length, "prefill": result["prefill"]}
+            name = result["implementations"][impl]
+            label = f"[{len(result['points']) + 1}/{total}] {name} L={length}"
+            point = {"impl": impl, "name": name, "L": length, "prefill": result["prefill"]}
             needed = kv_cache_bytes(hf_config, batch, length + decode_tokens) if impl in KV_CACHE_IMPLEMENTATIONS else 0
             available = memory_limit_bytes if memory_limit_bytes is not None else mem_available_bytes()
             if impl in stopped:
@@ -247,7 +284,8 @@ def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batc
                 progress(f"{label}: running")
                 point.update(run_point(impl, length, batch=batch, decode_tokens=decode_tokens, repeats=repeats,
                                        model=model, hf_dir=hf_dir, real_prefill=real_prefill, seed=seed,
-                                       threads=threads, timeout_s=timeout_s, work_dir=out_dir))
+                                       threads=threads, timeout_s=timeout_s, work_dir=out_dir,
+                                       retention=retention if impl == "retained" else None))
             if point["status"] != "ok":
                 stopped.setdefault(impl, f"L={length} did not complete ({point['status']})")
             result["points"].append(point)
@@ -257,6 +295,14 @@ def run(*, implementations=tuple(IMPLEMENTATIONS), lengths=DEFAULT_LENGTHS, batc
     write_text(os.path.join(out_dir, "latency.md"), markdown(result))
     plot(result, os.path.join(out_dir, "latency.png"))
     return result
+
+
+def cache_table(hf_config: dict, implementations, lengths, decode_tokens: int, retention: dict | None) -> dict:
+    """{implementation: {L: [bytes of each layer's decode cache]}} for the linjax implementations, for one
+    sequence with room for L + decode_tokens tokens: from the cache shapes, so the same on every machine."""
+    return {impl: {str(L): cache_bytes_per_layer(hf_config, impl, 1, L + decode_tokens, **(retention or {}))
+                   for L in lengths}
+            for impl in implementations if impl in LINJAX_IMPLEMENTATIONS}
 
 
 def describe(point: dict) -> str:
@@ -280,8 +326,9 @@ def _ok(result, impl):
 
 
 def summarize(result: dict) -> dict:
-    """Linearized vs each KV-cache implementation at the largest L both finished, and how flat the
-    linearized model's peak memory is from its smallest to its largest L."""
+    """Linearized vs each KV-cache implementation at the largest L both finished, and how flat each
+    linear implementation's peak memory is from its smallest to its largest L
+    (`linearized_memory_change`, `retained_memory_change`)."""
     summary = {"ratios": []}
     linear = _ok(result, "linearized")
     for other in KV_CACHE_IMPLEMENTATIONS:
@@ -292,11 +339,13 @@ def summarize(result: dict) -> dict:
             summary["ratios"].append({
                 "versus": other, "L": L, "speedup": theirs[L]["decode_s"] / linear[L]["decode_s"],
                 "peak_bytes": peak_bytes(theirs[L]), "linearized_peak_bytes": peak_bytes(linear[L])})
-    if len(linear) >= 2:
-        low, high = min(linear), max(linear)
-        change = 100 * (peak_bytes(linear[high]) - peak_bytes(linear[low])) / peak_bytes(linear[low])
-        summary["linearized_memory_change"] = {"from_L": low, "to_L": high, "percent": change,
-                                               "flat_within_10_percent": abs(change) <= 10}
+    for impl in LINEAR_IMPLEMENTATIONS:
+        points = _ok(result, impl)
+        if len(points) >= 2:
+            low, high = min(points), max(points)
+            change = 100 * (peak_bytes(points[high]) - peak_bytes(points[low])) / peak_bytes(points[low])
+            summary[f"{impl}_memory_change"] = {"from_L": low, "to_L": high, "percent": change,
+                                                "flat_within_10_percent": abs(change) <= 10}
     return summary
 
 
@@ -324,7 +373,7 @@ def markdown(result: dict) -> str:
               f"Prefill: **{result['prefill']}** ({result['prefill_note']}). Peak memory: {memory}. "
               f"Machine: {machine['cpu_count']} CPU cores, {', '.join(devices) or 'device not recorded'}; "
               f"jax {machine['jax']}, torch {machine['torch']}, transformers {machine['transformers']}."), ""]
-    lines += [f"- `{impl}`: {IMPLEMENTATIONS[impl]}" for impl in impls]
+    lines += [f"- `{impl}`: {result['implementations'][impl]}" for impl in impls]
     lines += ["", "Peak: the memory measured; state: the decode state's own size (KV cache or linear state).", ""]
     header = ["L"]
     for impl in impls:
@@ -347,14 +396,43 @@ def markdown(result: dict) -> str:
         lines.append(f"- At L = {r['L']:,}, the largest both finished: linearized decodes {r['speedup']:.2f}× as fast "
                      f"as `{r['versus']}`, at a peak of {r['linearized_peak_bytes'] / GIB:.2f} GiB against "
                      f"{r['peak_bytes'] / GIB:.2f} GiB.")
-    change = summary.get("linearized_memory_change")
-    if change:
-        flat = "flat" if change["flat_within_10_percent"] else "not flat"
-        lines.append(f"- Linearized peak memory from L = {change['from_L']:,} to {change['to_L']:,}: "
-                     f"{change['percent']:+.1f}% ({flat} within 10%).")
+    for impl in LINEAR_IMPLEMENTATIONS:
+        change = summary.get(f"{impl}_memory_change")
+        if change:
+            flat = "flat" if change["flat_within_10_percent"] else "not flat"
+            lines.append(f"- {impl.capitalize()} peak memory from L = {change['from_L']:,} to {change['to_L']:,}: "
+                         f"{change['percent']:+.1f}% ({flat} within 10%).")
     failed = [p for p in result["points"] if p["status"] not in ("ok", "skipped")]
     lines += [f"- `{p['impl']}` at L = {p['L']:,}: {p['status']} ({p.get('reason', '')})." for p in failed]
+    lines += cache_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _kib(sizes: list[int]) -> str:
+    """A layer size in KiB, or the range when layers differ (layers kept as full attention)."""
+    low, high = min(sizes) / 1024, max(sizes) / 1024
+    return f"{low:,.1f}" if low == high else f"{low:,.1f}–{high:,.1f}"
+
+
+def cache_lines(result: dict) -> list[str]:
+    """latency.md's cache table: bytes per layer by L, from the cache shapes (results without it: none)."""
+    table = result.get("cache_bytes_per_layer") or {}
+    if not table:
+        return []
+    impls = list(table)
+    new_tokens = result["protocol"]["decode_tokens"]
+    lines = ["", f"Decode cache per layer (KiB) for one sequence with room for L + {new_tokens} "
+                 "tokens, float32, from the cache shapes (not measured: the same on any machine).", "",
+             "| L | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
+    for L in result["lengths"]:
+        lines.append(f"| {L:,} | " + " | ".join(_kib(table[impl][str(L)]) for impl in impls) + " |")
+    for impl in impls:
+        sizes = [sum(table[impl][str(L)]) for L in result["lengths"]]
+        if len(sizes) >= 2:
+            lines.append(f"- `{impl}`: {'fixed' if len(set(sizes)) == 1 else 'grows'} in L "
+                         f"({sizes[0] / 1024:,.1f} KiB at L = {result['lengths'][0]:,}, "
+                         f"{sizes[-1] / 1024:,.1f} KiB at L = {result['lengths'][-1]:,}, all layers).")
+    return lines
 
 
 def plot(result: dict, path: str) -> None:
@@ -364,8 +442,9 @@ def plot(result: dict, path: str) -> None:
     for impl in result["implementations"]:
         points = sorted(_ok(result, impl).values(), key=lambda p: p["L"])
         lengths = [p["L"] for p in points]
-        time_ax.plot(lengths, [p["decode_s"] for p in points], "o-", label=IMPLEMENTATIONS[impl])
-        memory_ax.plot(lengths, [peak_bytes(p) / GIB for p in points], "o-", label=IMPLEMENTATIONS[impl])
+        name = result["implementations"][impl]
+        time_ax.plot(lengths, [p["decode_s"] for p in points], "o-", label=name)
+        memory_ax.plot(lengths, [peak_bytes(p) / GIB for p in points], "o-", label=name)
     decode_tokens = result["protocol"]["decode_tokens"]
     time_ax.set_ylabel(f"{decode_tokens} decode steps (s)")
     memory_ax.set_ylabel("peak memory (GiB)")

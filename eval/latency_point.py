@@ -31,8 +31,19 @@ import time
 IMPLEMENTATIONS = {
     "full": "linjax full attention (KV cache)",
     "linearized": "linjax linearized (GDN + w56 + s8 + short conv)",
+    "retained": "linjax linearized with retained tokens (GDN + w56 + s8 + short conv + retain)",
     "transformers": "transformers LlamaForCausalLM (DynamicCache)",
 }
+LINJAX_IMPLEMENTATIONS = ("full", "linearized", "retained")
+DEFAULT_RETAIN, DEFAULT_RETAIN_SCORE = 64, "recall"  # issue 37's 128-token budget: 8 + 56 + 64
+
+
+def implementation_label(implementation: str, retain: int = DEFAULT_RETAIN,
+                         retain_score: str = DEFAULT_RETAIN_SCORE) -> str:
+    """How tables name an implementation; the retained one says how many tokens it keeps, and by what."""
+    if implementation == "retained":
+        return f"linjax linearized + {retain} retained by {retain_score} (GDN + w56 + s8 + short conv)"
+    return IMPLEMENTATIONS[implementation]
 
 
 # ----------------------------------------------------------------------------- memory readings
@@ -134,23 +145,58 @@ def time_decode(decode_once, rewind, repeats: int) -> list[float]:
 # ----------------------------------------------------------------------------- linjax
 
 
-def linearized_recipe():
-    """The paper's final recipe (sec. 4): GDN, sliding window 56 + 8 sink tokens, short convolution."""
+def linearized_recipe(retain: int = 0, retain_score: str = DEFAULT_RETAIN_SCORE):
+    """The paper's final recipe (sec. 4): GDN, sliding window 56 + 8 sink tokens, short convolution;
+    with `retain` > 0, that many tokens per layer and kv head kept for their content (docs/retention.md)."""
     import linjax
 
-    return linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv")
+    return linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv", retain=retain,
+                                  retain_score=retain_score)
 
 
-def build_linjax_model(source: str, implementation: str, seed: int = 0):
-    """The model of one linjax implementation: `source` as loaded, or linearized with the recipe."""
+def linearize_settings(implementation: str, retain: int = DEFAULT_RETAIN, retain_score: str = DEFAULT_RETAIN_SCORE):
+    """The LinearizeConfig of a linjax implementation (None: full attention)."""
+    if implementation not in LINJAX_IMPLEMENTATIONS:
+        raise ValueError(f"{implementation!r} is not a linjax implementation; expected one of "
+                         f"{', '.join(LINJAX_IMPLEMENTATIONS)}")
+    if implementation == "full":
+        return None
+    return linearized_recipe(retain, retain_score) if implementation == "retained" else linearized_recipe()
+
+
+def build_linjax_model(source: str, implementation: str, seed: int = 0, retain: int = DEFAULT_RETAIN,
+                       retain_score: str = DEFAULT_RETAIN_SCORE):
+    """The model of one linjax implementation: `source` as loaded, or linearized with the recipe
+    (`retain` and `retain_score` apply to "retained" only)."""
     import linjax
 
-    if implementation not in ("full", "linearized"):
-        raise ValueError(f"{implementation!r} is not a linjax implementation; expected 'full' or 'linearized'")
+    settings = linearize_settings(implementation, retain, retain_score)
     model, _ = linjax.load(source)
     if model.linearize_config is not None:
         raise ValueError(f"{source} is already linearized; the benchmark starts from the full-attention model")
-    return model if implementation == "full" else linjax.linearize(model, linearized_recipe(), seed=seed)
+    return model if settings is None else linjax.linearize(model, settings, seed=seed)
+
+
+def cache_bytes_per_layer(hf_config: dict, implementation: str, batch: int, tokens: int,
+                          retain: int = DEFAULT_RETAIN, retain_score: str = DEFAULT_RETAIN_SCORE) -> list[int]:
+    """Bytes of each layer's decode cache for `batch` sequences of up to `tokens` tokens, from the
+    cache shapes alone: the model is built and its states made inside `jax.eval_shape`, so no weight
+    or cache is allocated and nothing is timed."""
+    import jax
+    from flax import nnx
+
+    import linjax
+    from linjax.config import ModelConfig
+    from linjax.model import CausalLM
+
+    config, settings = ModelConfig.from_hf(hf_config), linearize_settings(implementation, retain, retain_score)
+
+    def states():
+        model = CausalLM(config, rngs=nnx.Rngs(0))
+        model = model if settings is None else linjax.linearize(model, settings)
+        return model.init_states(batch, tokens)
+
+    return [state_bytes(layer) for layer in jax.eval_shape(states)]
 
 
 def state_shapes(model, batch: int, max_length: int):
@@ -168,9 +214,16 @@ def state_bytes(states) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(states))
 
 
+def _is_retained(node) -> bool:
+    from linjax.kernels.retention import RetainedCache
+
+    return isinstance(node, RetainedCache)
+
+
 def with_length(states, length: int):
     """`states` with every token counter (KVCache.length, LinearState.length, WindowCache.length) set
-    to `length`: positions continue at `length`, and a window ring counts as full."""
+    to `length`: positions continue at `length`, and a window ring counts as full. Retained tokens'
+    positions are kept: they say which slots hold a token, not how many tokens were seen."""
     import jax
     import jax.numpy as jnp
 
@@ -182,7 +235,10 @@ def with_length(states, length: int):
                              "the random stand-in does not know how to fill it")
         return jnp.asarray(length, x.dtype)
 
-    return jax.tree.map(set_counter, states)
+    def visit(node):
+        return node if _is_retained(node) else set_counter(node)
+
+    return jax.tree.map(visit, states, is_leaf=_is_retained)
 
 
 def random_states(shapes, length: int, seed: int = 0):
@@ -193,6 +249,7 @@ def random_states(shapes, length: int, seed: int = 0):
     stay finite. Drawn on the host with NumPy one array at a time, each straight in its final shape:
     no compiled program (compiling one that draws the ~400 arrays of a linearized state left more
     memory behind than the state itself), and nothing here grows with L for a linear layer.
+    Retained slots are all full, as after a long prompt: slot r of every kv head holds position r.
     """
     import jax
     import jax.numpy as jnp
@@ -207,7 +264,15 @@ def random_states(shapes, length: int, seed: int = 0):
         values *= np.float32(x.shape[-1] ** -0.5 if x.shape else 1.0)
         return jnp.asarray(values, x.dtype)
 
-    return with_length(jax.tree.map(draw, shapes), length)
+    def fill(node):
+        if not _is_retained(node):
+            return draw(node)
+        batch, slots, kv_heads = node.position.shape
+        position = np.broadcast_to(np.arange(slots, dtype=np.int32)[None, :, None], (batch, slots, kv_heads))
+        return node._replace(entries=jax.tree.map(draw, node.entries), score=draw(node.score),
+                             position=jnp.asarray(position, node.position.dtype))
+
+    return with_length(jax.tree.map(fill, shapes, is_leaf=_is_retained), length)
 
 
 def greedy_step_function(model):
@@ -243,13 +308,14 @@ def jax_device_bytes():
 
 
 def measure_linjax(implementation: str, *, source: str, length: int, batch: int, decode_tokens: int,
-                   repeats: int, real_prefill: bool, seed: int = 0) -> dict:
+                   repeats: int, real_prefill: bool, seed: int = 0, retain: int = DEFAULT_RETAIN,
+                   retain_score: str = DEFAULT_RETAIN_SCORE) -> dict:
     """One point for a linjax implementation (steps 1-4 of the module docstring)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    model = build_linjax_model(source, implementation, seed)
+    model = build_linjax_model(source, implementation, seed, retain, retain_score)
     step, params = greedy_step_function(model)
     shapes = state_shapes(model, batch, length + decode_tokens)
     vocab = model.config.vocab_size
@@ -401,6 +467,8 @@ def point_main(argv) -> None:
     p.add_argument("--real-prefill", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int)
+    p.add_argument("--retain", type=int, default=DEFAULT_RETAIN)
+    p.add_argument("--retain-score", default=DEFAULT_RETAIN_SCORE)
     p.add_argument("--result", required=True)
     args = p.parse_args(argv)
     volunteer_for_oom_killer()
@@ -411,7 +479,8 @@ def point_main(argv) -> None:
     if args.one == "transformers":
         point = measure_transformers(hf_dir=args.hf_dir, threads=len(os.sched_getaffinity(0)), **common)
     else:
-        point = measure_linjax(args.one, source=args.model, **common)
+        point = measure_linjax(args.one, source=args.model, retain=args.retain, retain_score=args.retain_score,
+                               **common)
     write_atomic(args.result, json.dumps(point))
 
 

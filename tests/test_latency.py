@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 import linjax
-from linjax.app.cli import build_parser
+from linjax.app.cli import build_parser, main
 from linjax.config import tiny_config
 from linjax.eval import latency
-from linjax.eval.latency_point import (build_linjax_model, greedy_step_function, kv_cache_bytes, random_states,
-                                       state_bytes, state_shapes, with_length)
+from linjax.eval.latency_point import (build_linjax_model, cache_bytes_per_layer, greedy_step_function,
+                                       kv_cache_bytes, random_states, state_bytes, state_shapes, with_length)
 from linjax.model import CausalLM
 from tests.helpers import require_module
 
@@ -32,14 +32,15 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_models(tiny_hf_dir):
-    return {impl: build_linjax_model(tiny_hf_dir, impl) for impl in ("full", "linearized")}
+    return {impl: build_linjax_model(tiny_hf_dir, impl, retain=4) for impl in ("full", "linearized", "retained")}
 
 
 def counters(states):
-    return [int(x) for x in jax.tree.leaves(states) if jnp.issubdtype(x.dtype, jnp.integer)]
+    """The token counters: integer scalars (a retained token's position is an integer array, not a counter)."""
+    return [int(x) for x in jax.tree.leaves(states) if jnp.issubdtype(x.dtype, jnp.integer) and x.shape == ()]
 
 
-@pytest.mark.parametrize("impl", ["full", "linearized"])
+@pytest.mark.parametrize("impl", ["full", "linearized", "retained"])
 def test_random_stand_in_has_the_shapes_of_a_real_prefill_and_decodes(tiny_models, impl):
     model = tiny_models[impl]
     step, params = greedy_step_function(model)
@@ -112,20 +113,25 @@ def test_a_point_with_the_real_prefill(tiny_hf_dir, impl):
 
 def test_end_to_end_writes_json_table_plot_and_records_what_did_not_fit(tiny_hf_dir, tmp_path):
     """A memory limit below the smallest KV cache: full attention does not fit (it is not started),
-    and the linearized model runs in its own process."""
+    and the linearized model, with and without retained tokens, runs in its own process."""
     out = tmp_path / "latency"
     lines = []
-    result = latency.run(implementations="full,linearized", lengths="16", batch=BATCH, decode_tokens=2, repeats=1,
-                         model=tiny_hf_dir, memory_limit_bytes=1000, threads=1, out_dir=str(out),
-                         progress=lines.append)
+    result = latency.run(implementations="full,linearized,retained", lengths="16", batch=BATCH, decode_tokens=2,
+                         repeats=1, model=tiny_hf_dir, memory_limit_bytes=1000, threads=1, out_dir=str(out),
+                         progress=lines.append, retain=4, retain_score="key_norm")
 
     written = json.loads((out / "latency.json").read_text())
     assert written == json.loads(json.dumps(result))
     assert written["prefill"] == "random stand-in" and written["protocol"]["batch"] == BATCH
     assert {"cpu_count", "jax", "torch", "transformers"} <= set(written["machine"])
-    full, linear = written["points"]
+    full, linear, retained = written["points"]
     assert (full["impl"], full["status"], linear["impl"], linear["status"]) == (
         "full", "did not fit", "linearized", "ok")
+    assert (retained["impl"], retained["status"], retained["name"]) == (
+        "retained", "ok", "linjax linearized + 4 retained by key_norm (GDN + w56 + s8 + short conv)")
+    assert retained["state_bytes"] > linear["state_bytes"] and written["retention"] == {"retain": 4,
+                                                                                          "retain_score": "key_norm"}
+    assert set(written["cache_bytes_per_layer"]) == {"full", "linearized", "retained"}
     assert full["reason"].startswith("not started: the KV cache alone needs")
     assert linear["decode_s"] > 0 and linear["ms_per_token"] == pytest.approx(1000 * linear["decode_s"] / 2)
     assert linear["peak_rss_bytes"] >= linear["baseline_rss_bytes"] > 0 and linear["state_bytes"] > 0
@@ -134,6 +140,8 @@ def test_end_to_end_writes_json_table_plot_and_records_what_did_not_fit(tiny_hf_
     table = (out / "latency.md").read_text()
     assert "| L | full: 2 steps (s) | full: peak / state (GiB) | linearized: 2 steps (s) |" in table
     assert "| 16 | did not fit | did not fit |" in table and "random stand-in" in table
+    assert "Decode cache per layer (KiB)" in table
+    assert "- `retained`: linjax linearized + 4 retained by key_norm" in table
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [name for name in os.listdir(out) if name.startswith(".point-")]
     assert any("did not fit" in line for line in lines)
@@ -196,3 +204,55 @@ def test_cli_and_bench_script_share_the_options():
     args = build_parser().parse_args(["bench", "latency", "--lengths", "16,32", "--real-prefill", "--out", "x"])
     assert (args.lengths, args.real_prefill, args.batch, args.decode_tokens, args.out) == ([16, 32], True, 8, 16, "x")
     assert args.func.__name__ == "_bench_latency"
+
+
+@pytest.fixture(scope="module")
+def tiny_config_dict(tiny_hf_dir):
+    with open(os.path.join(tiny_hf_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def test_cache_bytes_per_layer_are_fixed_in_the_context_with_and_without_retained_tokens(tiny_config_dict):
+    """From shapes only: a linear layer's cache is the same at 100 and 100,000 tokens, retained slots
+    included, and a KV cache grows in proportion to the tokens."""
+    short, long = 100, 100_000
+    for impl in ("linearized", "retained"):
+        sizes = cache_bytes_per_layer(tiny_config_dict, impl, 1, short, retain=8)
+        assert len(sizes) == tiny_config_dict["num_hidden_layers"] and min(sizes) > 0
+        assert cache_bytes_per_layer(tiny_config_dict, impl, 1, long, retain=8) == sizes
+    linear = cache_bytes_per_layer(tiny_config_dict, "linearized", 1, short)
+    retained = [cache_bytes_per_layer(tiny_config_dict, "retained", 1, short, retain=r) for r in (8, 16)]
+    assert all(a < b < c for a, b, c in zip(linear, *retained))  # the slots cost memory, in proportion to R
+    assert [b - a for a, b in zip(linear, retained[0])] == [c - b for b, c in zip(*retained)]
+    layers = tiny_config_dict["num_hidden_layers"]
+    full = [cache_bytes_per_layer(tiny_config_dict, "full", 1, n) for n in (short, long)]
+    assert [sum(f) for f in full] == [kv_cache_bytes(tiny_config_dict, 1, n) + 4 * layers for n in (short, long)]
+
+    table = latency.cache_table(tiny_config_dict, ["full", "retained", "transformers"], [16, 64], 2,
+                                {"retain": 8, "retain_score": "recall"})
+    assert list(table) == ["full", "retained"] and table["retained"]["16"] == table["retained"]["64"]
+    result = {"lengths": [16, 64], "protocol": {"decode_tokens": 2}, "cache_bytes_per_layer": table}
+    text = "\n".join(latency.cache_lines(result))
+    assert "- `retained`: fixed in L" in text and "- `full`: grows in L" in text
+
+
+def test_retention_options_reach_the_retained_implementation_only(tiny_hf_dir, tmp_path, capsys):
+    args = build_parser().parse_args(["bench", "latency", "--implementations", "linearized,retained",
+                                      "--retain", "32", "--retain-score", "key_norm"])
+    assert (args.implementations, args.retain, args.retain_score) == (["linearized", "retained"], 32, "key_norm")
+    args = build_parser().parse_args(["bench", "latency"])
+    assert (args.implementations, args.retain, args.retain_score) == (
+        ["full", "linearized", "transformers"], None, None)
+    for bad in (["--retain", "0"], ["--retain-score", "attention"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["bench", "latency", *bad])
+        assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:  # retention settings without the implementation they set
+        main(["bench", "latency", "--implementations", "full,linearized", "--retain", "64", "--model", tiny_hf_dir,
+              "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "add it to --implementations" in capsys.readouterr().err
+    assert latency.retention_settings(["retained"], None, None) == {"retain": 64, "retain_score": "recall"}
+    assert latency.retention_settings(["full"], None, None) is None
+    assert "64 retained by recall" in latency.implementation_label("retained")
+    assert "16 retained by key_norm" in latency.implementation_label("retained", 16, "key_norm")

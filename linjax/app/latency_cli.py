@@ -8,14 +8,22 @@ import os
 
 from linjax.app.arguments import argument_type, non_negative_int, positive_float, positive_int
 from linjax.eval import latency
+from linjax.linearize import RETAIN_SCORES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=argument_type(latency.parse_lengths),
                         default=",".join(map(str, latency.DEFAULT_LENGTHS)), help="prompt lengths L")
     parser.add_argument("--implementations", type=argument_type(latency.parse_implementations),
-                        default=",".join(latency.IMPLEMENTATIONS),
-                        help=f"comma-separated, from: {', '.join(latency.IMPLEMENTATIONS)}")
+                        default=",".join(latency.DEFAULT_IMPLEMENTATIONS),
+                        help=f"comma-separated, from: {', '.join(latency.IMPLEMENTATIONS)} (default: "
+                             f"{','.join(latency.DEFAULT_IMPLEMENTATIONS)})")
+    parser.add_argument("--retain", type=positive_int,
+                        help=f"tokens kept for their content per layer and kv head by the 'retained' implementation "
+                             f"(default {latency.DEFAULT_RETAIN}; docs/retention.md)")
+    parser.add_argument("--retain-score", choices=list(RETAIN_SCORES),
+                        help="what 'retained' scores a token leaving the window by "
+                             f"(default {latency.DEFAULT_RETAIN_SCORE})")
     parser.add_argument("--batch", type=positive_int, default=latency.BATCH)
     parser.add_argument("--decode-tokens", type=positive_int, default=latency.DECODE_TOKENS)
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (the median is reported)")
@@ -42,7 +50,8 @@ def main(args: argparse.Namespace) -> dict:
                          decode_tokens=args.decode_tokens, repeats=args.repeats, model=args.model,
                          hf_dir=args.hf_dir, real_prefill=args.real_prefill, memory_limit_bytes=limit,
                          threads=args.threads, timeout_s=args.timeout_s, seed=args.seed,
-                         out_dir=args.out, progress=lambda line: print(line, flush=True))
+                         out_dir=args.out, progress=lambda line: print(line, flush=True), retain=args.retain,
+                         retain_score=args.retain_score)
     print("\n" + latency.markdown(result))
     print(f"→ {os.path.join(args.out, 'latency.json')}, latency.md, latency.png")
     return result

@@ -1,0 +1,154 @@
+"""results/retention.py: issue 37's S-NIAH grid, its cell names and commands, and the report's verdicts."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from linjax.app.cli import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def grid(tmp_path, monkeypatch):
+    """The module, reading and writing its cells under tmp_path."""
+    spec = importlib.util.spec_from_file_location("retention_grid", os.path.join(ROOT, "results", "retention.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "retention_grid", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "CELLS", str(tmp_path / "retention"))
+    monkeypatch.setattr(module, "REPORT", str(tmp_path / "retention.md"))
+    return module
+
+
+def write_cell(grid, name, correct, count=20, depths=None, **settings):
+    """A cell's JSON as `linjax eval ruler` writes it: `correct` of `count` samples right."""
+    cell = next(c for c in grid.grid() if c.name == name)
+    depths = depths or [i / max(count - 1, 1) for i in range(count)]
+    os.makedirs(grid.CELLS, exist_ok=True)
+    with open(cell.path, "w") as f:
+        json.dump({"model": grid.VARIANTS[cell.variant][1],
+                   "settings": {"retain_score": "recall", **cell.expected_settings(), **settings},
+                   "results": [{"task": grid.TASKS[cell.task], "length": cell.length, "variant": "v",
+                                "accuracy": correct / count, "samples": count}],
+                   "samples": [{"depth": d, "score": float(i < correct)} for i, d in enumerate(depths)]}, f)
+
+
+def test_wilson_interval_known_values(grid):
+    assert grid.wilson_interval(0.0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
+    assert grid.wilson_interval(0.7, 20) == pytest.approx((0.4810, 0.8545), abs=1e-4)
+    low, high = grid.wilson_interval(1.0, 20)
+    assert high == 1.0 and low == pytest.approx(0.8389, abs=1e-4)  # mirror of 0 of 20
+    assert grid.wilson_interval(0.5, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    with pytest.raises(ValueError, match="at least one sample"):
+        grid.wilson_interval(0.5, 0)
+
+
+def test_the_grid_holds_the_issues_cells_and_the_leads_file_names(grid):
+    cells = grid.grid()
+    names = [c.name for c in cells]
+    # 3 tasks x 3 lengths x (4 budgeted variants x 2 budgets + the original once)
+    assert len(names) == len(set(names)) == 81
+    assert {"final-recall-128-niah1-2048", "window-only-128-niah1-2048", "final-128-niah1-2048",
+            "final-keynorm-128-niah1-2048", "original-full-niah3-4096", "final-recall-256-niah2-1024"} <= set(names)
+    assert names[:2] == ["final-recall-128-niah1-2048", "window-only-128-niah1-2048"]  # the claim first
+
+
+@pytest.mark.parametrize("name, model, budget, window_only, retain, score", [
+    ("final-recall-128-niah1-2048", "results/runs/gdn-w56-s8-shortconv", [128], False, 64, "recall"),
+    ("final-keynorm-256-niah2-4096", "results/runs/gdn-w56-s8-shortconv", [256], False, 192, "key_norm"),
+    ("final-256-niah3-1024", "results/runs/gdn-w56-s8-shortconv", [256], False, 0, "recall"),
+    ("window-only-128-niah1-1024", "smollm2-135m", [128], True, 0, "recall"),
+    ("original-full-niah2-2048", "smollm2-135m", [], False, 0, "recall"),
+])
+def test_each_cells_command_is_a_valid_ruler_call_with_the_cells_settings(grid, name, model, budget, window_only,
+                                                                          retain, score):
+    cell = next(c for c in grid.grid() if c.name == name)
+    args = build_parser().parse_args(["eval", *cell.arguments()])
+    assert (args.model, args.budgets or [], args.window_only, args.retain, args.retain_score) == (
+        model, budget, window_only, retain, score)
+    assert (args.samples, args.seed, args.tasks, args.lengths, args.sinks) == (
+        20, 0, [grid.TASKS[cell.task]], [cell.length], 8)
+    assert os.path.normpath(os.path.join(ROOT, args.out)) == cell.path
+    expected = cell.expected_settings()
+    assert expected["retain"] == retain and expected["budgets"] == budget
+
+
+def test_run_skips_written_cells_and_filters_by_pattern(grid, capsys):
+    write_cell(grid, "final-recall-128-niah1-2048", 17)
+    todo = grid.run(only="*-128-niah1-2048", dry_run=True)
+    assert [c.name for c in todo] == ["window-only-128-niah1-2048", "final-keynorm-128-niah1-2048",
+                                      "final-128-niah1-2048"]
+    assert "--window-only" in capsys.readouterr().out
+    assert len(grid.run(dry_run=True)) == 80
+    with pytest.raises(SystemExit, match="matches no cell"):
+        grid.run(only="final-recall-512-*", dry_run=True)
+
+
+def test_the_claim_holds_with_retention_at_0_85_and_window_only_at_0(grid):
+    write_cell(grid, "final-recall-128-niah1-2048", 17)
+    write_cell(grid, "window-only-128-niah1-2048", 0)
+    text = grid.report_text()
+    assert "- **holds**" in text
+    assert "0.85 (17/20) [0.64, 0.95]" in text and "0.00 (0/20) [0.00, 0.16]" in text
+    assert "non-overlapping 95% intervals: **holds**" in text
+    measured = grid.Measured
+    assert grid.claim_verdict(measured(16 / 20, 20), measured(0.0, 20)) == ("holds", [])  # 0.8 is enough
+    assert grid.claim_verdict(measured(15 / 20, 20), measured(0.0, 20))[0] == "does not hold"
+
+
+def test_the_claim_does_not_hold_below_0_8_or_with_window_only_above_0(grid):
+    write_cell(grid, "final-recall-128-niah1-2048", 14)
+    write_cell(grid, "window-only-128-niah1-2048", 1, depths=[1.0] + [0.0] * 19)
+    text = grid.report_text()
+    assert "- **does not hold**: retention scores 0.70 < 0.8; window-only scores 0.05 > 0" in text
+    assert "needle at depth 1.00 (depth 1.00: the end of the haystack" in text
+    assert "| 128 | niah_single_1 |" not in text and "no cell ran with both scores yet" in text
+
+
+def test_missing_or_mismatched_cells_are_not_run_and_leave_the_claim_undecided(grid):
+    text = grid.report_text()
+    assert "- **undecided (not run)**" in text and "0 of 81 cells written" in text
+    assert "| niah_single_1 | 2,048 | not run | not run | not run | not run | not run |" in text
+
+    write_cell(grid, "final-recall-128-niah1-2048", 10, count=10, samples=10)  # another run's settings
+    write_cell(grid, "window-only-128-niah1-2048", 0)
+    text = grid.report_text()
+    assert "not the grid's settings: samples 10 (the grid: 20); 10 samples scored (the grid: 20)" in text
+    assert "- **undecided (not run)**: retention cell not run" in text and "1 of 81 cells written" in text
+
+
+def test_which_score_is_better_needs_non_overlapping_intervals(grid):
+    write_cell(grid, "final-recall-128-niah1-2048", 18)
+    write_cell(grid, "final-keynorm-128-niah1-2048", 2, retain_score="key_norm")
+    write_cell(grid, "final-recall-256-niah2-1024", 12, retain_score="recall")
+    write_cell(grid, "final-keynorm-256-niah2-1024", 9, retain_score="key_norm")
+    text = grid.report_text()
+    assert "| 128 | niah_single_1 | 2,048 | 0.90 (18/20) [0.70, 0.97] | 0.10 (2/20) [0.03, 0.30] | recall |" in text
+    assert "| 256 | niah_single_2 | 1,024 | 0.60 (12/20)" in text and "| undecided (intervals overlap) |" in text
+    measured = grid.Measured
+    assert grid.better_score(measured(0.0, 20), measured(0.9, 20)) == "key_norm"
+    assert grid.better_score(measured(0.5, 20), None) == "not both run"
+
+
+def test_report_writes_the_markdown_file(grid):
+    write_cell(grid, "original-full-niah1-1024", 20)
+    path = grid.report()
+    with open(path) as f:
+        text = f.read()
+    assert text.startswith("# Retained tokens on S-NIAH") and "1.00 (20/20) [0.84, 1.00]" in text
+
+
+def test_run_calls_linjax_eval_ruler_once_per_missing_cell(grid, monkeypatch):
+    calls = []
+    monkeypatch.setattr(grid.subprocess, "run", lambda command, **kwargs: calls.append((command, kwargs)))
+    write_cell(grid, "final-recall-128-niah1-2048", 14)
+    grid.run(only="*-128-niah1-2048")
+    assert [command[command.index("--out") + 1].rsplit("/", 1)[-1] for command, _ in calls] == [
+        "window-only-128-niah1-2048.json", "final-keynorm-128-niah1-2048.json", "final-128-niah1-2048.json"]
+    command, kwargs = calls[0]
+    assert os.path.basename(command[0]) == "linjax" and command[1:3] == ["eval", "ruler"]
+    assert kwargs == {"cwd": grid.ROOT, "check": True}  # a failed cell stops the run
