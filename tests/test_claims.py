@@ -95,7 +95,8 @@ def test_the_lolcats_peer_is_two_stages_of_the_claims_budget(claims, monkeypatch
                     for name in ("lolcats-at", "lolcats"))
     settings = ce.linearize
     assert (settings.mechanism, settings.window, settings.sinks, settings.combine) == ("hedgehog", 64, 0, "sum")
-    assert (settings.adapter, settings.lora_rank, settings.output_gain) == ("lora", 8, True)
+    assert (settings.adapter, settings.lora_rank, settings.output_gain, settings.output_gain_init) == (
+        "lora", 8, True, 10.0)  # LoLCATs' window factor starts at 0.1: a gain of 10
     assert transfer.linearize == settings  # train.init_from needs the same [linearize] settings
     assert (transfer.train.objective, transfer.train.trainable) == ("attention_transfer", "mechanism")
     assert (ce.train.objective, ce.train.trainable, ce.train.init_from) == ("ce", "adapter", transfer.run_dir)
