@@ -166,7 +166,8 @@ def test_lolcats_stages_train_the_feature_maps_then_only_lora(tiny_source, corpu
     assert any(m for adapter, m in moved if adapter) and any(m for adapter, m in moved if not adapter)
 
     with pytest.raises(ValueError, match="no adapter"):
-        from_dict({**stage("x").to_dict(), "linearize": {**lolcats, "adapter": None}, "train": {"trainable": "adapter"}})
+        from_dict({**stage("x").to_dict(), "linearize": {**lolcats, "adapter": None},
+                   "train": {"trainable": "adapter"}})
     liger = linjax.linearize(linjax.load(tiny_source)[0], linjax.LinearizeConfig(
         mechanism="gla", gate="liger_pooled_key", window=8, sinks=0, adapter="lora"))
     with pytest.raises(ValueError, match="selects none"):
