@@ -26,6 +26,11 @@ from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig
 from linjax.platform import has_cuda, resolve_dtype
 
 OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
+# train.trainable: which of the new parameters a run trains; the others keep the values they start with
+# (fresh, or train.init_from's). "mechanism": the mechanism's own (feature maps, gates, β, output gain);
+# "adapter": the adapter's only (LoRA, short conv). LoLCATs trains its feature maps in an attention-transfer
+# stage, then only LoRA with cross-entropy.
+TRAINABLE = ("all", "mechanism", "adapter")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # train.remat: what the backward keeps of each decoder layer. "none": everything (fastest, memory
 # grows with layers × T × the MLP width); "layer": each layer's matmul outputs, the rest
@@ -123,6 +128,7 @@ class TrainSection:
     grad_clip: float = 1.0
     seed: int = 1
     objective: str = "ce"
+    trainable: str = "all"  # TRAINABLE
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     mesh_data: int = -1  # devices on the data axis (-1: all devices not used by fsdp)
@@ -139,6 +145,7 @@ class TrainSection:
                                               and self.loss_chunk >= 0):
             raise ValueError(f"train.loss_chunk must be \"auto\" or an integer ≥ 0 (0: the whole sequence at once), "
                              f"got {self.loss_chunk!r}")
+        check_text("train.trainable", self.trainable, choices=TRAINABLE)
         if self.objective not in OBJECTIVES:
             raise ValueError(f"train.objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
         for name in ("steps", "seq_len", "batch_size", "checkpoint_every", "keep_checkpoints", "mesh_fsdp"):
@@ -231,6 +238,12 @@ class ExperimentConfig:
     data: DataSection = DataSection(paths=("../shared/data/webtext",))
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
+
+    def __post_init__(self):
+        if self.train.trainable == "adapter" and self.linearize.adapter is None:
+            raise ValueError("train.trainable = \"adapter\" trains only the adapter's parameters, and [linearize] "
+                             "has no adapter; set linearize.adapter (\"lora\" or \"shortconv\") or another "
+                             f"train.trainable ({', '.join(TRAINABLE)})")
 
     def to_dict(self) -> dict:
         return {"run_dir": self.run_dir, "model": dataclasses.asdict(self.model),

@@ -84,6 +84,9 @@ class LinearizeConfig:
         with it and still loads so (`LEGACY_DEFAULTS`).
     output_gain: a learned per-head gain (initialised to 1) on the linear term, one new
         parameter per head and layer.
+    output_gain_init: the gains' start (> 0; needs output_gain). For Hedgehog with a window it
+        weighs the linear part's attention mass against the window's: LoLCATs starts its window
+        factor at 0.1, which is a gain of 10 (configs/claims/lolcats-at.toml).
     gate_bias: the decay gate's bias at initialisation (GLA, kGLA, GDN, gdn_scalar): 1 as in the
         paper, so α ≈ sigmoid(1) ≈ 0.73 at the start (a memory of about four tokens); larger values
         start with a longer memory (3: α ≈ 0.95, about twenty tokens).
@@ -113,6 +116,7 @@ class LinearizeConfig:
     kernel: str = "auto"
     scale: float | str | None = 1.0
     output_gain: bool = False
+    output_gain_init: float = 1.0
     gate_bias: float = 1.0
     gate: str = "low_rank"
     retain: int = 0
@@ -170,6 +174,12 @@ class LinearizeConfig:
             object.__setattr__(self, "scale", float(self.scale))
         if not isinstance(self.output_gain, bool):
             raise ValueError(f"output_gain must be true or false, got {self.output_gain!r}")
+        init = self.output_gain_init
+        if not (isinstance(init, (int, float)) and not isinstance(init, bool) and 0 < init < math.inf):
+            raise ValueError(f"output_gain_init must be a finite number > 0, got {init!r}")
+        if init != 1.0 and not self.output_gain:
+            raise ValueError(f"output_gain_init={init} sets the learned gains' start; it needs output_gain=true")
+        object.__setattr__(self, "output_gain_init", float(init))
         keep = self.keep_full_attention
         if isinstance(keep, (list, tuple)):
             object.__setattr__(self, "keep_full_attention", tuple(int(i) for i in keep))

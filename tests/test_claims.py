@@ -64,8 +64,8 @@ def test_rows_without_per_window_results_or_on_other_windows_are_not_compared(cl
 
 def test_the_report_of_the_committed_rows(claims, monkeypatch):
     """`report` on the committed rows (written to a string here, not to claims.md): every claim of two
-    evaluated rows has its earlier verdict and an interval verdict, and the header states the facts
-    the issue found missing."""
+    evaluated rows has its earlier verdict and an interval verdict (a claim on a row not yet evaluated,
+    such as a peer's, is pending), and the header states the facts the issue found missing."""
     written = {}
     monkeypatch.setattr(claims, "write_text", lambda path, text: written.setdefault("text", text) and path)
     claims.report()
@@ -73,11 +73,48 @@ def test_the_report_of_the_committed_rows(claims, monkeypatch):
     assert "10M tokens (2,500 steps x 4,096)" in text and "20M" not in text
     assert "SmolLM2-135M-Instruct dequantised from the Q4_1 GGUF" in text
     assert "| 1,000 + 1,000 | 1 then 2 |" in text  # the two-stage row's steps and seeds
-    for claim, *_ in claims.CLAIMS:
+    for claim, _, *rows in claims.CLAIMS:
         line = next(line for line in text.splitlines() if line.startswith(f"| {claim} |"))
         by_interval, earlier = line.strip("| ").split(" | ")[-2:]
         assert by_interval.split(" (")[0] in ("holds", "does not hold", "undecided")
-        assert earlier != "pending"
+        evaluated = all(claims.metrics_of(row)["ppl"] is not None for row in rows)
+        assert (earlier != "pending") == evaluated
+
+
+def test_the_lolcats_peer_is_two_stages_of_the_claims_budget(claims, monkeypatch):
+    """configs/claims/lolcats-at.toml then lolcats.toml: Hedgehog + window 64 (no sinks) under one
+    normaliser; stage 1 trains the feature maps by attention transfer, stage 2 LoRA alone (rank 8 on
+    q/k/v/o) with CE from stage 1's run; 1,000 + 1,000 steps x 512 tokens on the claims rows' data.
+    Both build, the report lists the row and its claim, and a row not yet trained shows as such."""
+    import linjax
+    from linjax.convert.sources import source_hf_config
+    from linjax.experiment import load_experiment
+    from tests.helpers import missing
+
+    transfer, ce = (load_experiment(os.path.join(ROOT, "configs", "claims", f"{name}.toml"))
+                    for name in ("lolcats-at", "lolcats"))
+    settings = ce.linearize
+    assert (settings.mechanism, settings.window, settings.sinks, settings.combine) == ("hedgehog", 64, 0, "sum")
+    assert (settings.adapter, settings.lora_rank, settings.output_gain, settings.output_gain_init) == (
+        "lora", 8, True, 10.0)  # LoLCATs' window factor starts at 0.1: a gain of 10
+    assert transfer.linearize == settings  # train.init_from needs the same [linearize] settings
+    assert (transfer.train.objective, transfer.train.trainable) == ("attention_transfer", "mechanism")
+    assert (ce.train.objective, ce.train.trainable, ce.train.init_from) == ("ce", "adapter", transfer.run_dir)
+    row = load_experiment(os.path.join(ROOT, "configs", "claims", "gdn-w56-s8-shortconv-at-ce.toml"))
+    assert transfer.data == ce.data == row.data and transfer.model == ce.model == row.model
+    assert claims.stages("lolcats") == [("lolcats-at", 1000, 512, 1), ("lolcats", 1000, 512, 2)]
+    assert "lolcats" in claims.ROWS and "liger-gla" in claims.ROWS
+    assert {"lolcats", "liger-gla"} <= {worse for *_, worse in claims.CLAIMS}
+    try:
+        hf_config = source_hf_config(ce.model.source)
+    except FileNotFoundError as err:
+        missing(str(err))
+    model = linjax.abstract_model(hf_config, settings)
+    assert linjax.trainable_parameter_count(model) > 0
+
+    monkeypatch.setattr(claims, "training_state", lambda row: (0, False))  # as on a checkout with no runs
+    trained, seeds, tokens, _ = claims.training_columns("lolcats", None)
+    assert (trained, seeds, tokens) == ("not started + not started", "1 then 2", "0.00M")
 
 
 def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_path, tiny_source, tokenizer):

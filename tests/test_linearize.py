@@ -146,6 +146,19 @@ def test_scale_and_output_gain_decode_equals_one_pass(one_layer_models, mechanis
     assert_decode_equals_one_pass(model)
 
 
+def test_output_gain_init_sets_the_gains_start(one_layer_models):
+    """output_gain_init: every head's gain starts there (LoLCATs' window factor 0.1 is a gain of 10);
+    it must be > 0 and finite, and it needs output_gain."""
+    config = linjax.LinearizeConfig(mechanism="hedgehog", window=8, sinks=0, output_gain=True, output_gain_init=10)
+    model = linjax.linearize(one_layer_models["qwen3"], config, seed=3)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].attn.output_gain[...]), 10.0)
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="output_gain_init must be a finite number > 0"):
+            linjax.LinearizeConfig(output_gain=True, output_gain_init=bad)
+    with pytest.raises(ValueError, match="needs output_gain=true"):
+        linjax.LinearizeConfig(output_gain_init=10.0)
+
+
 def test_scale_and_output_gain_act_on_the_linear_term(one_layer_models):
     """Without a window, y = g_h · scale · qᵀS: a gain of c on every head is the scale times c, and
     a scale other than the default (1, the paper's) changes the output; "fla_default" is the

@@ -137,6 +137,43 @@ def test_a_second_stage_starts_from_the_first_stages_parameters(tiny_source, cor
         train.run(experiment(tmp_path / "x", tiny_source, corpus, steps=2, init_from=str(tmp_path)), progress=False)
 
 
+def test_lolcats_stages_train_the_feature_maps_then_only_lora(tiny_source, corpus, tmp_path):
+    """train.trainable: attention transfer with "mechanism" moves Hedgehog's feature maps and gain and
+    leaves LoRA as initialised; cross-entropy with "adapter" from that run moves LoRA alone (LoLCATs'
+    two stages, configs/claims/lolcats-at.toml then lolcats.toml)."""
+    from linjax.train.loop import is_adapter_parameter, trained_parameters
+
+    lolcats = {"mechanism": "hedgehog", "window": 8, "sinks": 0, "adapter": "lora", "output_gain": True}
+
+    def stage(name, **fields):
+        config = experiment(tmp_path / name, tiny_source, corpus, steps=2, **fields)
+        return from_dict({**config.to_dict(), "linearize": lolcats})
+
+    def parameters(model):
+        return [(is_adapter_parameter(path), np.asarray(x))
+                for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, Trainable))[0]]
+
+    first = train.run(stage("transfer", objective="attention_transfer", trainable="mechanism"), progress=False)
+    second = train.run(stage("ce", trainable="adapter", init_from=str(tmp_path / "transfer")), progress=False)
+    fresh = linjax.linearize(linjax.load(tiny_source)[0], first.linearize_config, seed=3)
+    fresh, first, second = map(parameters, (fresh, first, second))
+    moved = []
+    for (adapter, start), (_, after_transfer), (_, after_ce) in zip(fresh, first, second):
+        held, trained = (((start, after_transfer), (after_transfer, after_ce)) if adapter else
+                         ((after_transfer, after_ce), (start, after_transfer)))
+        np.testing.assert_array_equal(*held)  # LoRA through attention transfer, the rest through CE
+        moved.append((adapter, not np.array_equal(*trained)))
+    assert any(m for adapter, m in moved if adapter) and any(m for adapter, m in moved if not adapter)
+
+    with pytest.raises(ValueError, match="no adapter"):
+        from_dict({**stage("x").to_dict(), "linearize": {**lolcats, "adapter": None},
+                   "train": {"trainable": "adapter"}})
+    liger = linjax.linearize(linjax.load(tiny_source)[0], linjax.LinearizeConfig(
+        mechanism="gla", gate="liger_pooled_key", window=8, sinks=0, adapter="lora"))
+    with pytest.raises(ValueError, match="selects none"):
+        trained_parameters(nnx.state(liger, Trainable), "mechanism")
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)))
 def test_shipped_configs_parse_and_build(path):
     from linjax.convert.sources import source_hf_config

@@ -77,13 +77,37 @@ def make_optimizer(train_config, adapter):
                        optax.adamw(schedule, weight_decay=train_config.weight_decay)), schedule
 
 
+# The attributes of a linear mixer that hold its adapter (linjax/mixers/linear.py: LoRA, short conv).
+ADAPTER_ATTRIBUTES = ("lora", "conv")
+
+
+def is_adapter_parameter(path) -> bool:
+    """Whether a trainable parameter's key path (jax.tree_util) lies in a mixer's adapter."""
+    return any(getattr(key, "key", None) in ADAPTER_ATTRIBUTES for key in path)
+
+
+def trained_parameters(trainable, which: str):
+    """A tree of Python bools shaped like `trainable`: the parameters `train.trainable` = `which`
+    trains ("all", "mechanism": all but the adapter's, "adapter": the adapter's only). A ValueError
+    if it selects none."""
+    selected = jax.tree_util.tree_map_with_path(
+        lambda path, _: which == "all" or (which == "adapter") == is_adapter_parameter(path), trainable)
+    if not any(jax.tree.leaves(selected)):
+        raise ValueError(f"train.trainable = {which!r} selects none of the new parameters (the mechanism adds "
+                         "none of its own: its only new parameters are the adapter's); use \"all\" or \"adapter\"")
+    return selected
+
+
 def make_train_step(graphdef, optimizer, objective: str, mesh, *, remat: str | None = None,
-                    loss_chunk: int | None = None):
+                    loss_chunk: int | None = None, trains=None):
     """A jitted (trainable, opt_state, frozen, batch) → (trainable, opt_state, metrics) step.
 
     `remat`: what the backward recomputes of each layer (`CausalLM.remat`: None, "dots" or "full";
     `TrainSection.remat_policy`); `loss_chunk`: positions per piece of the LM head and the loss
-    (`objectives.lm_loss`; None: all at once).
+    (`objectives.lm_loss`; None: all at once). `trains` (`trained_parameters`; None: all): the
+    other parameters' gradients are zeroed before the clipping (the norm counts only what trains)
+    and their updates after the optimizer (so weight decay leaves them alone too): they keep their
+    values exactly.
 
     `trainable` and `frozen` are held stacked by layer run (`linjax.scan.StackedLayers`, see
     `place_train_state`); `opt_state` is the optimizer's state for the stacked `trainable`.
@@ -92,6 +116,11 @@ def make_train_step(graphdef, optimizer, objective: str, mesh, *, remat: str | N
     compiles once instead of again after its first call.
     """
 
+    def held_at_zero(tree):
+        if trains is None:
+            return tree
+        return jax.tree.map(lambda x, trained: x if trained else jnp.zeros_like(x), tree, trains)
+
     def step(trainable, opt_state, frozen, batch):
         def loss_fn(params):
             model = nnx.merge(graphdef, unstack_layers(params), unstack_layers(frozen))
@@ -99,7 +128,9 @@ def make_train_step(graphdef, optimizer, objective: str, mesh, *, remat: str | N
             return objective_loss(model, batch, objective, loss_chunk=loss_chunk)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        grads = held_at_zero(grads)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        updates = held_at_zero(updates)
         trainable = optax.apply_updates(trainable, updates)
         return trainable, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
 
@@ -349,6 +380,7 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
     mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
     optimizer, schedule = make_optimizer(tc, config.linearize.adapter)
     graphdef, trainable, opt_state, frozen, runs = place_train_state(model, optimizer, mesh)
+    trains = None if tc.trainable == "all" else trained_parameters(trainable, tc.trainable)
     del model  # frees the per-layer weights, which the stacked copies replace
     dataset = build_dataset(config.data, tokenizer, seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed)
 
@@ -370,7 +402,7 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
         manager.wait_until_finished()
 
     train_step = make_train_step(graphdef, optimizer, tc.objective, mesh, remat=tc.remat_policy(),
-                                 loss_chunk=tc.loss_chunk_size())
+                                 loss_chunk=tc.loss_chunk_size(), trains=trains)
     tokens_per_step = tc.batch_size * tc.seq_len
     try:
         bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,

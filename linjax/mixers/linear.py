@@ -76,8 +76,9 @@ class LinearMixer(nnx.Module):
                      if settings.adapter == "lora" else None)
         self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel, rngs=rngs)
                      if settings.adapter == "shortconv" else None)
-        # A learned gain per head on the linear term; 1 at init, so the untrained model is unchanged.
-        self.output_gain = Trainable(jnp.ones((heads,), jnp.float32)) if settings.output_gain else None
+        # A learned gain per head on the linear term; 1 at init (by default), so the untrained model is unchanged.
+        self.output_gain = (Trainable(jnp.full((heads,), settings.output_gain_init, jnp.float32))
+                            if settings.output_gain else None)
 
     # ---------------------------------------------------------------- per mechanism
 
