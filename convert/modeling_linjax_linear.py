@@ -175,12 +175,11 @@ class LinearAttention(Attention):
             state = q.new_zeros(q.shape[0], H, q.shape[-1], leaving[1].shape[-1], dtype=torch.float32)
         outputs, parts = [], []
         for i, t in enumerate(positions.tolist()):
-            token = [x[:, i] for x in leaving]  # the leaving token's (k', v', *gates) [B, heads, ...]
-            decay = token[2] if len(token) > 2 else None  # belongs to the step, whichever token is written
+            token = [a[:, i] for a in leaving]  # the leaving token's (k', v', *gates) [B, heads, ...]
             written = token  # with its key zeroed when no token leaves or it is a sink
             if t - self.window >= self.sinks:
-                written = self.retain_step(cache, [leaving_kv[0][:, i], leaving_kv[1][:, i]], token, state, t)
-            wk, wv, *wgates = (x[:, None] for x in written)
+                written = self.retain_step(cache, [a[:, i] for a in leaving_kv], token, state, t)
+            wk, wv, *wgates = (a[:, None] for a in written)
             out, state = self.linear_kernel("recurrent", q[:, i:i + 1].float(), expand_kv(wk, H), expand_kv(wv, H),
                                             wgates, self.scale, state)
             outputs.append(out)

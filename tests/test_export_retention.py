@@ -84,6 +84,12 @@ for score in scores:
         result["shapes_fixed"] = bool(after_prefill) and shapes() == after_prefill
         result["held"] = sorted({int(p) for layer in cache.layers if getattr(layer, "retained", None) is not None
                                  for p in layer.retained.position.flatten().tolist()})
+        # lm-eval's shared prefixes: one row's cache repeated along the batch, then its continuations.
+        out = model(tokens[:1, :17], use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        cache.batch_repeat_interleave(2)
+        rows = model(tokens[[0, 0], 17:], cache=cache, use_cache=True).logits
+        result["repeated_max_abs"] = float((rows - full[:1, 17:]).abs().max())
     # Greedy generation with LinjaxCache against recomputing the whole prefix (the full forward) every step.
     generated = [model.generate(tokens[:1, :prompt_length], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                 do_sample=False, use_cache=use_cache)[0].tolist() for use_cache in (True, False)]
@@ -109,6 +115,8 @@ def test_export_with_retained_tokens_matches_linjax_without_jax(tmp_path):
         assert result["max_abs"] <= TOLERANCE, f"{score}: max abs logit difference {result['max_abs']:.2e}"
         assert result["decode_max_abs"] <= TOLERANCE, \
             f"{score}: prefill + decode differs from the full forward by {result['decode_max_abs']:.2e}"
+        assert result["repeated_max_abs"] <= TOLERANCE, \
+            f"{score}: a cache repeated along the batch continues differently ({result['repeated_max_abs']:.2e})"
         assert result["retained_layers"] == SOFTMAX_LAYER and result["shapes_fixed"], result
         # The first tokens to leave the window (positions 2, 3, 4) filled the slots; later ones took them over.
         assert max(result["held"]) >= SEQUENCE // 2, result["held"]
