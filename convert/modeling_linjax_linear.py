@@ -209,7 +209,7 @@ class LinearAttention(Attention):
             slots.score = torch.where(slots.position >= 0, recall(slots.linear[0], slots.linear[1]), -torch.inf)
         (k, v, *gates), written_valid = admit_retained(slots, leaving_kv + travelling, score,
                                                         position - self.window)
-        k = torch.where(written_valid[..., None], k, torch.zeros((), dtype=k.dtype))
+        k = torch.where(written_valid[..., None], k, torch.zeros_like(k))
         return [k, v] + ([decay] if decay is not None else []) + gates
 
     def short_conv(self, q, k, v, cache: Optional[LinearLayerCache]):

@@ -19,6 +19,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from tests.test_export import SOFTMAX_LAYER, TOLERANCE, _run, build_case
 
@@ -188,8 +189,6 @@ def test_the_mirrors_admission_keeps_linjaxs_tie_rule():
 
 
 def test_a_hand_edited_config_with_retained_tokens_is_checked():
-    import pytest
-
     from linjax.convert import modeling_linjax as ml
 
     base = dict(num_hidden_layers=1, linearize={"window": 4, "sinks": 2, "retain": 3})
