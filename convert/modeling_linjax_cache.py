@@ -89,9 +89,8 @@ class KeyValueCache(LayerCache):
 class LinearLayerCache(LayerCache):
     """A linear layer's decode state, linjax's LinearState: its size does not grow with the context."""
 
-    def __init__(self, sinks: int, window: int, retain: int = 0):
-        self.retain = retain  # retained slots per kv head (modeling_linjax_retention.py); 0: none
-        self.retained = None  # RetainedSlots once the first token has been seen, with retain > 0
+    def __init__(self, sinks: int, window: int):
+        self.retained = None  # RetainedSlots (linearize.retain > 0) once a token has left the window
         self.recurrent = None  # S [B,H,Dk',Dv'] (fp32) over positions sinks .. t − window
         self.conv = None  # {"q","k","v"}: short-conv inputs of the last K − 1 tokens [B,K−1,C] (fp32)
         self.window = KeyValueCache(sinks, window) if window else None  # the sinks' and the window's k, v

@@ -78,7 +78,7 @@ class LinearAttention(Attention):
 
     @classmethod
     def new_cache(cls, settings: dict):
-        return LinearLayerCache(*sinks_and_window(settings), int(settings.get("retain", 0)))
+        return LinearLayerCache(*sinks_and_window(settings))
 
     # ---------------------------------------------------------------- per mechanism
 
@@ -155,7 +155,7 @@ class LinearAttention(Attention):
         softmax. Always the recurrent form, one token at a time, so a prefill then decode equals the
         whole forward. Without a cache a fresh one is used and dropped."""
         if cache is None:
-            cache = self.new_cache({"sinks": self.sinks, "window": self.window, "retain": self.retain})
+            cache = LinearLayerCache(self.sinks, self.window)
         q, k, v = self.qkv(x, position_ids)
         softmax_q, softmax_k, softmax_v = q, k, v
         # The pretrained keys and values of the tokens leaving the window, delayed as the linear inputs are
