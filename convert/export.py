@@ -12,7 +12,9 @@ self_attn.{q,k,v}_conv.{weight,bias} for the short conv in torch's Conv1d layout
 self_attn.output_gain), all in torch's [out, in] layout. LoRA has no tensors of its own:
 W + (alpha/rank)·A·B is merged into q/k/v/o_proj, which is exact because the mixer applies
 the adapted projections everywhere it uses them. Everything is written in float32, the dtype
-the linear mixers compute in.
+the linear mixers compute in. config.json's `linearize` carries every LinearizeConfig setting,
+retained tokens (`retain`, `retain_score`) included: the mirror keeps them as linjax does
+(convert/modeling_linjax_retention.py).
 """
 
 from __future__ import annotations
@@ -85,10 +87,6 @@ def export_hf(model, directory: str, tokenizer=None) -> str:
     if getattr(model, "linearize_config", None) is None:
         raise ValueError("export_hf writes linearized models; a plain model exports as its own "
                          "architecture with linjax.save_hf")
-    if model.linearize_config.retain:
-        raise ValueError(f"the PyTorch export does not have retained tokens yet (retain="
-                         f"{model.linearize_config.retain}); export the model with retain=0 (retain adds no "
-                         "parameters: linjax.linearize.with_budget(model, ..., retain=0))")
     directory = check_export_directory(directory)
     write_hf_directory(directory, export_config(model), export_tensors(model), tokenizer,
                        extra_files={os.path.basename(path): path for path in MODELING_FILES})

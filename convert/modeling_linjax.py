@@ -11,7 +11,9 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
   softmax attention, softmax over the sinks and the window alone ("window", the baseline
   without a linear term), or a linear one (gla, kgla, gdn, gdn_scalar, hedgehog),
   optionally beside exact softmax over `sinks` first tokens and a `window` of recent ones,
-  the linear state then covering only positions sinks .. t − window (paper, sec. 4);
+  the linear state then covering only positions sinks .. t − window (paper, sec. 4),
+  and with `linearize.retain` > 0 a fixed number of retained tokens per kv head joining
+  the softmax, chosen by score as they leave the window (issue 37; token by token);
 - the short-conv adapter runs on q, k, v after RoPE; a LoRA adapter is already
   merged into the q/k/v/o weights by the exporter (exact: the mixer applies it
   to both the softmax and the linear part);
@@ -23,15 +25,16 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
   linjax's decode states hold (linjax/mixers/states.py LinearState): for softmax
   layers every past key and value; for linear layers the recurrent state, the
   short-conv inputs of the last K − 1 tokens, the keys and values of the sinks
-  and of the window, and the linear inputs (k', v', gates) of the last `window`
-  tokens, which reach the state only `window` tokens later. The cache cannot be
-  cropped, so assisted decoding is refused; `use_cache=False` recomputes the
+  and of the window, the linear inputs (k', v', gates) of the last `window`
+  tokens, which reach the state only `window` tokens later, and the retained
+  slots. The cache cannot be cropped, so assisted decoding is refused; `use_cache=False` recomputes the
   whole prefix every step instead (exact, quadratic).
 
 The files, imported relatively (transformers' remote-code loader copies them too):
     modeling_linjax_attention.py  the pretrained attention, the window baseline, the mixer registry
     modeling_linjax_linear.py     one class per linear mechanism, and its math as methods
     modeling_linjax_kernels.py    RoPE, window softmax, short conv, the recurrence's three forms
+    modeling_linjax_retention.py  retained tokens: scores, admission, their softmax share
     modeling_linjax_cache.py      each layer's decode cache
 Imports only torch, transformers and the standard library (`fla` optionally, on CUDA).
 """

@@ -23,8 +23,6 @@ MIXERS: dict = {}  # mechanism name → mixer class; every Attention subclass wi
 
 def sinks_and_window(settings: dict) -> tuple:
     """(sinks, window) of config.linearize: softmax over the first `sinks` tokens and the last `window`."""
-    if int(settings.get("retain", 0)):  # linjax's export refuses it; a hand-edited config must not lose it
-        raise NotImplementedError("retained tokens (linearize.retain > 0) are not in the PyTorch model yet")
     return int(settings.get("sinks", 0)), int(settings.get("window", 0))
 
 
@@ -110,6 +108,9 @@ class WindowAttention(Attention):
     def __init__(self, config):
         super().__init__(config)
         self.sinks, self.window = sinks_and_window(config.linearize)
+        if int(config.linearize.get("retain", 0)):  # linjax refuses it; a hand-edited config must not lose it
+            raise ValueError("linearize.retain > 0 writes the tokens it does not keep into a linear state; "
+                             "the window-only mixer has none")
 
     @classmethod
     def new_cache(cls, settings: dict):

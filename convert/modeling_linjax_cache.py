@@ -2,7 +2,8 @@
 
 Each layer's mixer makes its own (`new_cache`): softmax attention a growing `KeyValueCache`,
 the window-only baseline a `KeyValueCache` of the sinks and the window, a linear mixer a
-`LinearLayerCache`. modeling_linjax.py's LinjaxCache holds one per layer for `generate`.
+`LinearLayerCache` (with `RetainedSlots` when `linearize.retain` > 0). modeling_linjax.py's
+LinjaxCache holds one per layer for `generate`.
 Imports only torch.
 """
 
@@ -59,6 +60,15 @@ class KeyValueCache(LayerCache):
         self.keys = self.values = self.positions = None
         self.length = 0
 
+    def latest(self, count: int, like):
+        """[keys, values] of the last `count` tokens seen [B,count,Hkv,D], oldest first, zeros before the
+        sequence (`like`: a tensor of one such token's shape and dtype, [B,1,Hkv,D])."""
+        held = 0 if self.keys is None else min(count, self.keys.shape[1])
+        zeros = like.new_zeros(like.shape[0], count - held, *like.shape[2:])
+        if not held:
+            return [zeros, zeros]
+        return [torch.cat([zeros, x[:, x.shape[1] - held:].to(like.dtype)], dim=1) for x in (self.keys, self.values)]
+
     def extend(self, k, v, positions):
         """(keys, values, key positions) to attend over, the new ones last; keeps what later tokens need."""
         self.length += k.shape[1]
@@ -80,6 +90,7 @@ class LinearLayerCache(LayerCache):
     """A linear layer's decode state, linjax's LinearState: its size does not grow with the context."""
 
     def __init__(self, sinks: int, window: int):
+        self.retained = None  # RetainedSlots (linearize.retain > 0) once a token has left the window
         self.recurrent = None  # S [B,H,Dk',Dv'] (fp32) over positions sinks .. t − window
         self.conv = None  # {"q","k","v"}: short-conv inputs of the last K − 1 tokens [B,K−1,C] (fp32)
         self.window = KeyValueCache(sinks, window) if window else None  # the sinks' and the window's k, v
@@ -90,11 +101,39 @@ class LinearLayerCache(LayerCache):
 
     def map_tensors(self, fn):
         super().map_tensors(fn)
-        if self.window is not None:
-            self.window.map_tensors(fn)
+        for part in (self.window, self.retained):
+            if part is not None:
+                part.map_tensors(fn)
 
     def reset(self):
-        self.recurrent = self.conv = self.shifted = None
+        self.recurrent = self.conv = self.shifted = self.retained = None
         if self.window is not None:
             self.window.reset()
+
+
+class RetainedSlots(LayerCache):
+    """R tokens per kv head kept for their content beside the sinks and the window (linjax's
+    kernels/retention.py RetainedCache): the pretrained keys and values the softmax reads
+    [B,R,Hkv,D], the linear inputs each is written into the state with if it loses its slot
+    (k', v' per kv head, the gates other than the decay per query head: [B,R,heads,...]), its
+    score [B,R,Hkv] (−inf where empty) and position [B,R,Hkv] (−1 where empty). Fixed size."""
+
+    def __init__(self, retain: int, candidate: list):
+        """No token retained yet; `candidate`: one token's entries [B,heads,...] (shapes and dtypes)."""
+        keys, values, *linear = (x.new_zeros(x.shape[0], retain, *x.shape[1:]) for x in candidate)
+        self.keys, self.values, self.linear = keys, values, linear
+        kv = candidate[0].shape[:2]
+        self.score = torch.full((kv[0], retain, kv[1]), -torch.inf, device=keys.device)
+        self.position = torch.full((kv[0], retain, kv[1]), -1, dtype=torch.long, device=keys.device)
+
+    def tensors(self):
+        return {"keys": self.keys, "values": self.values, "linear": self.linear, "score": self.score,
+                "position": self.position}
+
+    def entries(self) -> list:
+        """What travels with a token into a slot: [keys, values, *linear]."""
+        return [self.keys, self.values, *self.linear]
+
+    def set_entries(self, entries: list):
+        self.keys, self.values, *self.linear = entries
 

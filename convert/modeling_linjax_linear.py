@@ -15,6 +15,10 @@ linjax's export writes: each JAX mixer's `torch_tensors`) and says, as methods:
 Per query head h reading kv head h // (H // Hkv), o_t = scale · S_tᵀ q_t, scale = the config's
 `linearize.scale`, or where that is null or absent (FLA's default, linjax's before it moved to 1)
 Dk^-1/2 (1 for Hedgehog).
+
+With `linearize.retain` > 0 (issue 37) the mixer also keeps retained tokens beside the sinks and
+the window (modeling_linjax_retention.py) and runs the recurrence one token at a time
+(`forward_retaining`), whatever `form` says.
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .modeling_linjax_attention import MIXERS, Attention, sinks_and_window
-from .modeling_linjax_cache import LinearLayerCache
+from .modeling_linjax_cache import LinearLayerCache, RetainedSlots
 from .modeling_linjax_kernels import (causal_conv, chunked_form, expand_kv, fla_form, fla_kernels, l2_normalize,
                                       recurrent_form, resolve_form, shift_linear_inputs, token_positions,
                                       window_softmax_parts)
+from .modeling_linjax_retention import SCORES as RETAIN_SCORES
+from .modeling_linjax_retention import admit as admit_retained
+from .modeling_linjax_retention import attend as attend_retained
+from .modeling_linjax_retention import key_norm, recall_error
+from .modeling_linjax_retention import merge as merge_parts
 
 KEY_GATE_FLOOR = 1e-6  # kGLA: 1 − β k² is floored here (kernels/kgla.py)
 LIGER_GATE_NORMALIZER = 16.0  # Liger-GLA's gate logit normaliser (linjax/mixers/gla.py)
@@ -41,12 +50,19 @@ class LinearAttention(Attention):
     mechanism = None  # a base class, not a mechanism
     linear_scale = None  # the mechanism's default scale (None: Dk^-1/2, as FLA's kernels)
     fla_kernel = None  # the name of its kernel in `fla_kernels()`
+    normalized = False  # True for normalised linear attention (Hedgehog): v is [v, 1], the state's last column
 
     def __init__(self, config):
         super().__init__(config)
         settings = config.linearize
         self.form = "auto"  # which form of the recurrence runs: see modeling_linjax_kernels.resolve_form
         self.sinks, self.window = sinks_and_window(settings)
+        self.retain, self.retain_score = int(settings.get("retain", 0)), settings.get("retain_score", "recall")
+        if self.retain and not self.window:
+            raise ValueError(f"linearize.retain={self.retain} keeps tokens as they leave the window; it needs window ≥ 1")
+        if self.retain_score not in RETAIN_SCORES:
+            raise ValueError(f"unknown linearize.retain_score {self.retain_score!r}; expected one of "
+                             f"{list(RETAIN_SCORES)}")
         self.combine = settings.get("combine", "sum")
         H, hd = self.num_heads, self.head_dim
         scale = settings.get("scale")
@@ -105,16 +121,11 @@ class LinearAttention(Attention):
 
     def forward(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
         """x [B,T,d] at positions start .. start + T − 1; `cache` is read and advanced past them."""
+        if self.retain:
+            return self.forward_retaining(x, position_ids, start, cache)
         q, k, v = self.qkv(x, position_ids)
         softmax_q, softmax_k, softmax_v = q, k, v  # the window attends with the raw post-RoPE q, k, v
-        if self.conv:
-            history = (cache.conv if cache is not None else None) or {}
-            (q, hq), (k, hk), (v, hv) = (causal_conv(q, self.q_conv, history.get("q")),
-                                         causal_conv(k, self.k_conv, history.get("k")),
-                                         causal_conv(v, self.v_conv, history.get("v")))
-            if cache is not None:
-                cache.conv = {"q": hq, "k": hk, "v": hv}
-        q, k, v = self.features(q, k, v)
+        q, k, v = self.features(*self.short_conv(q, k, v, cache))
         linear_inputs = [k.float(), v.float(), *self.gates(x)]
         if self.window:
             linear_inputs, shifted = shift_linear_inputs(linear_inputs, self.sinks, self.window, start,
@@ -127,23 +138,106 @@ class LinearAttention(Attention):
                                         None if cache is None else cache.recurrent)
         if cache is not None:
             cache.recurrent = state
+        parts = None
+        if self.window:
+            positions = token_positions(start, x.shape[1], x.device)
+            keys, values, key_positions = ((softmax_k, softmax_v, positions) if cache is None
+                                           else cache.window.extend(softmax_k, softmax_v, positions))
+            parts = window_softmax_parts(softmax_q, keys, values, positions, key_positions, self.sinks, self.window)
+        return self.output(lin, parts, x.dtype)
+
+    def forward_retaining(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+        """`forward` with retained tokens (linjax/mixers/linear.py `_call_retaining`): projections, short conv,
+        features, gates and the sinks + window softmax run over the block, then each token in turn (which
+        tokens are retained depends on the state): the token leaving the window is scored and offered a
+        slot, the one evicted or refused is written into the state with the leaving token's decay (the
+        state decays as without retention; only what it stores changes), and the retained slots join the
+        softmax. Always the recurrent form, one token at a time, so a prefill then decode equals the
+        whole forward. Without a cache a fresh one is used and dropped."""
+        if cache is None:
+            cache = LinearLayerCache(self.sinks, self.window)
+        q, k, v = self.qkv(x, position_ids)
+        softmax_q, softmax_k, softmax_v = q, k, v
+        # The pretrained keys and values of the tokens leaving the window, delayed as the linear inputs are
+        # (a sink's key is zeroed there too: sinks are never offered a slot).
+        leaving_kv, _ = shift_linear_inputs([softmax_k, softmax_v], self.sinks, self.window, start,
+                                            cache.window.latest(self.window, softmax_k[:, :1]))
+        q, k, v = self.features(*self.short_conv(q, k, v, cache))
+        leaving, cache.shifted = shift_linear_inputs([k.float(), v.float(), *self.gates(x)], self.sinks,
+                                                     self.window, start, cache.shifted)
+        positions = token_positions(start, x.shape[1], x.device)
+        keys, values, key_positions = cache.window.extend(softmax_k, softmax_v, positions)
+        window_parts = window_softmax_parts(softmax_q, keys, values, positions, key_positions, self.sinks,
+                                            self.window)
+        H = self.num_heads
+        state = cache.recurrent
+        if state is None:
+            state = q.new_zeros(q.shape[0], H, q.shape[-1], leaving[1].shape[-1], dtype=torch.float32)
+        outputs, parts = [], []
+        for i, t in enumerate(positions.tolist()):
+            token = [a[:, i] for a in leaving]  # the leaving token's (k', v', *gates) [B, heads, ...]
+            written = token  # with its key zeroed when no token leaves or it is a sink
+            if t - self.window >= self.sinks:
+                written = self.retain_step(cache, [a[:, i] for a in leaving_kv], token, state, t)
+            wk, wv, *wgates = (a[:, None] for a in written)
+            out, state = self.linear_kernel("recurrent", q[:, i:i + 1].float(), expand_kv(wk, H), expand_kv(wv, H),
+                                            wgates, self.scale, state)
+            outputs.append(out)
+            step_parts = tuple(part[:, i] for part in window_parts)
+            if cache.retained is not None:
+                step_parts = merge_parts(step_parts, attend_retained(softmax_q[:, i], cache.retained))
+            parts.append(step_parts)
+        cache.recurrent = state
+        parts = tuple(torch.stack(part, dim=1) for part in zip(*parts))
+        return self.output(torch.cat(outputs, dim=1), parts, x.dtype)
+
+    def retain_step(self, cache: LinearLayerCache, leaving_kv: list, token: list, state, position: int) -> list:
+        """Offers the token leaving the window at this step (pretrained k, v [B,Hkv,D], linear inputs
+        `token`) to the retained slots, scored against `state` (S before this step); returns the linear
+        inputs written into the state: the evicted or refused token's, the leaving token's decay, and a
+        zero key where a free slot took the token and nothing is written."""
+        decay = token[2] if len(token) > 2 else None
+        travelling = token[:2] + token[3:]  # the decay stays with the step (linjax's `decay_inputs`)
+        if cache.retained is None:
+            cache.retained = RetainedSlots(self.retain, leaving_kv + travelling)
+        slots = cache.retained
+        if self.retain_score == "key_norm":
+            score = key_norm(leaving_kv[0])
+        else:  # re-scored every step against the state it would enter now (docs/retention.md, "Scores")
+            recall = lambda k, v: recall_error(state, k, v, decay, normalized=self.normalized)
+            score = recall(token[0][:, None], token[1][:, None])[:, 0]
+            slots.score = torch.where(slots.position >= 0, recall(slots.linear[0], slots.linear[1]), -torch.inf)
+        (k, v, *gates), written_valid = admit_retained(slots, leaving_kv + travelling, score,
+                                                        position - self.window)
+        k = torch.where(written_valid[..., None], k, torch.zeros_like(k))
+        return [k, v] + ([decay] if decay is not None else []) + gates
+
+    def short_conv(self, q, k, v, cache: Optional[LinearLayerCache]):
+        """q, k, v after the short conv (if any), its inputs' history kept in `cache`."""
+        if not self.conv:
+            return q, k, v
+        history = (cache.conv if cache is not None else None) or {}
+        (q, hq), (k, hk), (v, hv) = (causal_conv(q, self.q_conv, history.get("q")),
+                                     causal_conv(k, self.k_conv, history.get("k")),
+                                     causal_conv(v, self.v_conv, history.get("v")))
+        if cache is not None:
+            cache.conv = {"q": hq, "k": hk, "v": hv}
+        return q, k, v
+
+    def output(self, lin, parts, dtype):
+        """The mixer's output from the linear term and the softmax parts (numerator, row_max, row_sum) or None."""
         lin, normaliser = self.split_normaliser(lin)
         if self.output_gain is not None:  # linjax/mixers/linear.py `_apply_gain`
             lin = lin * self.output_gain[:, None]
             if normaliser is not None and self.window and self.combine == "sum":
                 normaliser = normaliser * self.output_gain
-        if self.window:
-            positions = token_positions(start, x.shape[1], x.device)
-            keys, values, key_positions = ((softmax_k, softmax_v, positions) if cache is None
-                                           else cache.window.extend(softmax_k, softmax_v, positions))
-            numerator, _, row_sum = window_softmax_parts(softmax_q, keys, values, positions, key_positions,
-                                                         self.sinks, self.window)
-            y = self.combine_parts(lin, normaliser, numerator, row_sum)
+        if parts is not None:
+            y = self.combine_parts(lin, normaliser, parts[0], parts[2])
         elif normaliser is not None:
             y = lin / (normaliser[..., None] + 1e-10)
         else:
             y = lin
-        return self.out(y.to(x.dtype))
+        return self.out(y.to(dtype))
 
     def combine_parts(self, lin, normaliser, numerator, row_sum):
         """linjax/mixers/linear.py `_combine`: one shared normaliser for Hedgehog with combine="sum"."""
@@ -263,6 +357,7 @@ class Hedgehog(LinearAttention):
     mechanism = "hedgehog"
     fla_kernel = "linear_attn"
     linear_scale = 1.0  # φ(q)ᵀφ(k) is already the kernel's similarity
+    normalized = True
 
     def __init__(self, config):
         super().__init__(config)

@@ -228,10 +228,16 @@ def test_retain_is_a_setting_of_experiment_files(tmp_path):
         load_experiment(str(path), ["linearize.retain=-3"])
 
 
-def test_the_pytorch_export_refuses_retained_tokens_until_it_has_them(base, tmp_path):
+def test_the_pytorch_export_carries_the_retained_tokens_settings(base, tmp_path):
+    """The export writes retain and retain_score into config.json (the mirror keeps the slots as linjax:
+    tests/test_export_retention.py)."""
+    import json
+
     from linjax.convert.export import export_hf
 
-    model = linjax.linearize(base, gdn_settings(retain=2))
-    with pytest.raises(ValueError, match="does not have retained tokens yet"):
-        export_hf(model, str(tmp_path / "export"))
-    assert not (tmp_path / "export").exists()
+    model = linjax.linearize(base, gdn_settings(retain=2, retain_score="key_norm"))
+    export_hf(model, str(tmp_path / "export"))
+    with open(tmp_path / "export" / "config.json") as f:
+        settings = json.load(f)["linearize"]
+    assert (settings["retain"], settings["retain_score"]) == (2, "key_norm")
+    assert (tmp_path / "export" / "modeling_linjax_retention.py").exists()

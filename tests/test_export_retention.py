@@ -1,0 +1,201 @@
+"""Export parity with retained tokens (issue 37): the PyTorch mirror keeps the same retained slots as linjax.
+
+As tests/test_export.py: one subprocess (JAX) builds tiny random models with one layer per linear
+mechanism and a last softmax layer, exports them and saves linjax's logits; one (PyTorch, which must
+never import JAX) loads the exports and compares. The budget is sinks 2 + window 4 + retained 3 on
+40 tokens, so 34 tokens leave the window and most of them compete for 3 slots: tokens are admitted,
+evicted into the state and refused. The tiny models have 4 query heads on 2 kv heads (GQA).
+
+Checked per score ("recall" with the short conv, "key_norm" with LoRA merged into the projections):
+the full forward against linjax, the same forward token by token with LinjaxCache and as a prefill
+then a chunk then single tokens (each equal to the full forward), greedy generation with the cache
+against recomputing the prefix at every step (so, by the parity, linjax's), and cache shapes that do not grow with the tokens seen. That the retained tokens
+matter at all is checked on the JAX side: the same model with retain = 0 gives other logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.test_export import SOFTMAX_LAYER, TOLERANCE, _run, build_case
+
+SINKS, WINDOW, RETAIN = 2, 4, 3
+SEQUENCE = 40
+PROMPT, NEW_TOKENS = 30, 8
+CASES = {"recall": "shortconv", "key_norm": "lora"}  # score → adapter
+
+
+def write_retention_cases(root: str):
+    """JAX side: export each case to root/<score>/ with its tokens and logits (and how much retain = 0 changes them)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import linjax
+    from linjax.linearize import with_budget
+
+    jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates here
+    tokens = np.random.default_rng(1).integers(0, 128, (2, SEQUENCE)).astype(np.int32)
+    forward = nnx.jit(lambda model, t: model(t))
+    for score, adapter in CASES.items():
+        model = build_case("llama", adapter, WINDOW, SINKS, seed=3, retain=RETAIN, retain_score=score)
+        assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+        logits = np.asarray(forward(model, jnp.asarray(tokens)))
+        without = np.asarray(forward(with_budget(model, sinks=SINKS, window=WINDOW, retain=0), jnp.asarray(tokens)))
+        linjax.save_hf(model, os.path.join(root, score))
+        np.savez(os.path.join(root, score + ".npz"), tokens=tokens, logits=logits,
+                 retain_changes=np.abs(logits - without).max())
+
+
+# Runs in a fresh interpreter: PyTorch + transformers only.
+TORCH_CHECK = r"""
+import json, os, sys
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+root, scores, prompt_length, new_tokens = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
+results = {}
+for score in scores:
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, score), trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    data = np.load(os.path.join(root, score + ".npz"))
+    tokens = torch.tensor(data["tokens"], dtype=torch.long)
+    result = {"config": {k: model.config.linearize[k] for k in ("retain", "retain_score")}}
+    with torch.no_grad():
+        full = model(tokens).logits
+        result["max_abs"] = float(np.abs(full.numpy() - data["logits"]).max())
+        # Prefill, then a chunk of five, then one token at a time, continuing one LinjaxCache.
+        out = model(tokens[:, :17], use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # a LinjaxCache, advanced in place
+        pieces = [out.logits]
+        shapes = lambda: [tuple(x.shape) for layer in cache.layers if getattr(layer, "retained", None) is not None
+                          for value in layer.retained.tensors().values()
+                          for x in (value if isinstance(value, list) else [value])]
+        after_prefill = shapes()
+        pieces.append(model(tokens[:, 17:22], cache=cache, use_cache=True).logits)
+        for t in range(22, tokens.shape[1]):
+            pieces.append(model(tokens[:, t:t + 1], cache=cache, use_cache=True).logits)
+        result["decode_max_abs"] = float((torch.cat(pieces, dim=1) - full).abs().max())
+        result["retained_layers"] = sum(getattr(layer, "retained", None) is not None for layer in cache.layers)
+        result["shapes_fixed"] = bool(after_prefill) and shapes() == after_prefill
+        result["held"] = sorted({int(p) for layer in cache.layers if getattr(layer, "retained", None) is not None
+                                 for p in layer.retained.position.flatten().tolist()})
+        # lm-eval's shared prefixes: one row's cache repeated along the batch, then its continuations.
+        out = model(tokens[:1, :17], use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        cache.batch_repeat_interleave(2)
+        rows = model(tokens[[0, 0], 17:], cache=cache, use_cache=True).logits
+        result["repeated_max_abs"] = float((rows - full[:1, 17:]).abs().max())
+    # Greedy generation with LinjaxCache against recomputing the whole prefix (the full forward) every step.
+    generated = [model.generate(tokens[:1, :prompt_length], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, use_cache=use_cache)[0].tolist() for use_cache in (True, False)]
+    result["generate_match"] = generated[0] == generated[1]
+    results[score] = result
+assert "jax" not in sys.modules, "the PyTorch export imported JAX"
+print(json.dumps(results))
+"""
+
+
+def test_export_with_retained_tokens_matches_linjax_without_jax(tmp_path):
+    root = str(tmp_path)
+    _run(["-c", f"from tests.test_export_retention import write_retention_cases; write_retention_cases({root!r})"],
+         cwd=root)
+    results = json.loads(_run(["-c", TORCH_CHECK, root, ",".join(CASES), str(PROMPT), str(NEW_TOKENS)], cwd=root)
+                         .strip().splitlines()[-1])
+    print(json.dumps(results, indent=1))
+    for score in CASES:
+        result = results[score]
+        assert result["config"] == {"retain": RETAIN, "retain_score": score}
+        assert float(np.load(os.path.join(root, score + ".npz"))["retain_changes"]) > 1e-2, \
+            f"{score}: retain = 0 gives the same logits, so this case does not exercise the retained slots"
+        assert result["max_abs"] <= TOLERANCE, f"{score}: max abs logit difference {result['max_abs']:.2e}"
+        assert result["decode_max_abs"] <= TOLERANCE, \
+            f"{score}: prefill + decode differs from the full forward by {result['decode_max_abs']:.2e}"
+        assert result["repeated_max_abs"] <= TOLERANCE, \
+            f"{score}: a cache repeated along the batch continues differently ({result['repeated_max_abs']:.2e})"
+        assert result["retained_layers"] == SOFTMAX_LAYER and result["shapes_fixed"], result
+        # The first tokens to leave the window (positions 2, 3, 4) filled the slots; later ones took them over.
+        assert max(result["held"]) >= SEQUENCE // 2, result["held"]
+        assert result["generate_match"], f"{score}: greedy generation with LinjaxCache differs from recomputing"
+
+
+# ----------------------------------------------------------------------------- the functions, one by one
+
+
+def test_the_mirrors_scores_and_softmax_parts_match_linjax_kernels():
+    """recall_error (per-channel, per-head and no decay; Hedgehog's [v, 1] state), key_norm and the
+    retained softmax parts merged with another part, on random arrays with 4 query heads on 2 kv heads."""
+    import jax.numpy as jnp
+    import torch
+
+    from kernels import retention
+    from kernels.swa import SoftmaxParts
+    from linjax.convert import modeling_linjax_retention as mirror
+    from linjax.convert.modeling_linjax_cache import RetainedSlots
+
+    rng = np.random.default_rng(0)
+    B, N, H, Hkv, D = 2, 3, 4, 2, 8
+    state, k, v = rng.normal(size=(B, H, D, D + 1)), rng.normal(size=(B, N, Hkv, D)), rng.normal(size=(B, N, Hkv, D))
+    both = lambda x: (jnp.asarray(x, jnp.float32), torch.tensor(x, dtype=torch.float32))
+    close = lambda got, want: np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for log_decay in (None, -rng.random((B, H, D)), -rng.random((B, H))):
+        j, t = zip(*map(both, (state[..., :D], k, v)))
+        decay = (None, None) if log_decay is None else both(log_decay)
+        close(mirror.recall_error(t[0], t[1], t[2], decay[1]), retention.recall_error(*j, decay[0]))
+    ones = np.ones((B, N, Hkv, 1))
+    (js, ts), (jk, tk), (jv, tv), (_, tv1) = map(both, (state, k, v, np.concatenate([v, ones], -1)))
+    close(mirror.recall_error(ts, tk, tv1, normalized=True), retention.recall_error(js, jk, jv, normalized=True))
+    close(mirror.key_norm(tk[:, 0]), retention.key_norm(jk[:, 0]))
+
+    R = 3
+    slots = RetainedSlots(R, [tk[:, 0], tv[:, 0]])
+    slots.keys, slots.values = torch.tensor(rng.normal(size=(B, R, Hkv, D)), dtype=torch.float32), \
+        torch.tensor(rng.normal(size=(B, R, Hkv, D)), dtype=torch.float32)
+    slots.position = torch.tensor([[[4, -1], [-1, -1], [7, 2]], [[1, 5], [3, 6], [-1, 8]]])
+    (jq, tq), (jn, tn), (jm, tm), (jr, tr) = map(both, (rng.normal(size=(B, H, D)), rng.normal(size=(B, H, D)),
+                                                        rng.normal(size=(B, H)), rng.random((B, H)) + 0.5))
+    want = retention.merge(SoftmaxParts(jn, jm, jr),
+                           retention.attend(jq, jnp.asarray(slots.keys.numpy()), jnp.asarray(slots.values.numpy()),
+                                            jnp.asarray(slots.position.numpy(), jnp.int32)))
+    for got, expected in zip(mirror.merge((tn, tm, tr), mirror.attend(tq, slots)), want):
+        close(got, expected)
+
+
+def test_the_mirrors_admission_keeps_linjaxs_tie_rule():
+    """Empty slots fill first; an equal score is refused; among equal lowest scores the newest gives way;
+    the evicted token's entries are the ones written, per kv head (the second kv head sees other scores)."""
+    import torch
+
+    from linjax.convert import modeling_linjax_retention as mirror
+    from linjax.convert.modeling_linjax_cache import RetainedSlots
+
+    tag = lambda p: [torch.full((1, 2, 3), float(p)) for _ in range(3)]  # k, v, k' [B, Hkv, D]
+    slots = RetainedSlots(2, tag(0))
+    offers = [(5, [1.0, 1.0]), (6, [1.0, 3.0]), (7, [1.0, 2.0]), (8, [2.0, 0.5])]
+    written = []
+    for position, score in offers:
+        (k,), valid = mirror.admit(slots, tag(position), torch.tensor([score]), position)
+        written.append([float(k[0, g, 0]) if valid[0, g] else None for g in range(2)])
+    # kv head 0: 5, 6 fill; 7 ties at 1.0 and is refused; 8 beats 1.0 and evicts 6 (the newer of the tied).
+    # kv head 1: 5, 6 fill; 7 (2.0) evicts 5 (1.0); 8 (0.5) is refused.
+    assert written == [[None, None], [None, None], [7.0, 5.0], [6.0, 8.0]]
+    assert [sorted(slots.position[0, :, g].tolist()) for g in range(2)] == [[5, 8], [6, 7]]
+    assert [sorted(slots.keys[0, :, g, 0].tolist()) for g in range(2)] == [[5.0, 8.0], [6.0, 7.0]]
+
+
+def test_a_hand_edited_config_with_retained_tokens_is_checked():
+    from linjax.convert import modeling_linjax as ml
+
+    base = dict(num_hidden_layers=1, linearize={"window": 4, "sinks": 2, "retain": 3})
+    with pytest.raises(ValueError, match="window-only mixer has none"):
+        ml.LinjaxForCausalLM(ml.LinjaxConfig(mixers=["window"], **base))
+    with pytest.raises(ValueError, match="unknown linearize.retain_score"):
+        ml.LinjaxForCausalLM(ml.LinjaxConfig(mixers=["gdn"], **{**base, "linearize": {**base["linearize"],
+                                                                                      "retain_score": "mass"}}))
+    with pytest.raises(ValueError, match="needs window ≥ 1"):
+        ml.LinjaxForCausalLM(ml.LinjaxConfig(mixers=["gdn"], num_hidden_layers=1, linearize={"retain": 3}))
