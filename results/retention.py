@@ -1,6 +1,7 @@
 """Issue 37's retention grid: S-NIAH with retained tokens against the same cache budget without them.
 
     python results/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
+    python results/retention.py perplexity [--windows N]            # WikiText-2 with retention on and off
     python results/retention.py report                             # results/retention.md from the cells written
 
 The grid: S-NIAH 1, 2 and 3 (RULER's niah_single_1/2/3) at 1,024, 2,048 and 4,096 tokens, 20 samples
@@ -17,12 +18,20 @@ Each cell is results/retention/<variant>-<budget>-<task>-<length>.json (budget "
 task niah1/niah2/niah3), as `linjax eval ruler --out` writes it; `run` skips a cell whose file exists,
 so it can be stopped and started again. `report` reads whatever cells exist; a file whose settings are
 not the cell's is shown as such and counts as not run.
+
+`perplexity` scores the first 64 WikiText-2 test windows of 1,024 tokens (the claims rows' 64 windows)
+with the final recipe read three ways: 8 + 56 + 64 retained by recall, 8 + 120 without retention (the
+same 128-token budget) and 8 + 56 as trained. The readings take turns window by window, each saved
+after every window (results/retention/wikitext2-<reading>.json), so a stopped run goes on from where it
+was and the readings always share their first windows; `report` compares them on those windows with the
+claims' paired bootstrap over articles, against the final recipe's seed spread on the same windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib.util
 import json
 import math
 import os
@@ -54,6 +63,15 @@ VARIANTS = {
     "window-only": ("window-only (sinks + window softmax, no state)", ORIGINAL, None, True),
     "original": ("original model (full attention)", ORIGINAL, None, False),
 }
+
+# WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
+PPL_WINDOWS = 64  # the claims rows' 64 windows of results/claims.py's SEQ_LEN tokens
+READINGS = {  # name -> (what it is, window, retained), all with SINKS sinks
+    "retained": ("final recipe + 64 retained by recall (8 + 56 + 64)", WINDOW, 64),
+    "window-120": ("final recipe, no retention, same budget (8 + 120)", 128 - SINKS, 0),
+    "as-trained": ("final recipe as trained (8 + 56)", WINDOW, 0),
+}
+SEED_ROWS = ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2")  # the final recipe's two seeds
 
 # The issue's claim: S-NIAH-1 at 2,048 tokens with a 128-token total cache.
 CLAIM_TASK, CLAIM_LENGTH, CLAIM_BUDGET, CLAIM_ACCURACY = "niah1", 2048, 128, 0.8
@@ -137,6 +155,91 @@ def run(only: str | None = None, dry_run: bool = False) -> list[Cell]:
     if not todo:
         print("every matching cell is already written")
     return todo
+
+
+def claims_module():
+    """results/claims.py (its WikiText-2 settings, per-window files and paired bootstrap)."""
+    spec = importlib.util.spec_from_file_location("linjax_claims", os.path.join(HERE, "claims.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ppl_path(reading: str) -> str:
+    return os.path.join(CELLS, f"wikitext2-{reading}.json")
+
+
+def read_ppl(reading: str):
+    """The reading's per-window results ({'article', 'nll', 'tokens', ...}), or None."""
+    if not os.path.exists(ppl_path(reading)):
+        return None
+    with open(ppl_path(reading)) as f:
+        return json.load(f)
+
+
+def perplexity(windows: int = PPL_WINDOWS) -> None:
+    """Scores the first `windows` WikiText-2 windows with every reading in turn, saving after each window."""
+    from linjax.eval.models import load_model
+    from linjax.eval.perplexity import text_windows, token_nll_function, window_scores
+    from linjax.files import write_json
+    from linjax.linearize import with_budget
+
+    claims = claims_module()
+    model, tokenizer, _ = load_model(os.path.join(ROOT, TRAINED_RUN))
+    with open(claims.WIKITEXT, encoding="utf-8") as f:
+        texts, articles = text_windows(tokenizer, f.read(), claims.SEQ_LEN, max_windows=windows)
+    state = {}
+    for reading, (label, window, retain) in READINGS.items():
+        earlier = read_ppl(reading) or {"article": [], "nll": [], "tokens": []}
+        n = len(earlier["nll"])
+        if earlier["article"] != articles[:n] or earlier["tokens"] != [len(w) - 1 for w in texts[:n]]:
+            sys.exit(f"{os.path.relpath(ppl_path(reading), ROOT)} holds other windows; move it away to score again")
+        reader = with_budget(model, sinks=SINKS, window=window, retain=retain)
+        state[reading] = (earlier, token_nll_function(reader), label, window, retain)
+    for index in range(min(len(s[0]["nll"]) for s in state.values()), len(texts)):
+        for reading, (scores, nll, label, window, retain) in state.items():
+            if len(scores["nll"]) > index:
+                continue
+            one = window_scores(None, [texts[index]], token_nll=nll)
+            scores["nll"] += one["nll"]
+            scores["tokens"] += one["tokens"]
+            scores["article"] = articles[:index + 1]
+            write_json(ppl_path(reading), {
+                "model": TRAINED_RUN, "reading": label, "sinks": SINKS, "window": window, "retain": retain,
+                "retain_score": "recall" if retain else None, "seq_len": claims.SEQ_LEN,
+                "windows_asked": len(texts), "complete": index + 1 == len(texts), **scores})
+        print(f"window {index + 1} of {len(texts)} scored for {', '.join(state)}", flush=True)
+
+
+def perplexity_lines() -> list[str]:
+    """The report's WikiText-2 section: each reading's perplexity on the windows all have, and retention's
+    difference from the others with paired 95% intervals, beside the seed spread on the same windows."""
+    scored = {reading: read_ppl(reading) for reading in READINGS}
+    lines = ["## WikiText-2 with retention on", ""]
+    if any(v is None for v in scored.values()):
+        return lines + ["Not run yet: `python results/retention.py perplexity`.", ""]
+    claims = claims_module()
+    n = min(len(v["nll"]) for v in scored.values())
+    cut = {r: {key: v[key][:n] for key in ("article", "nll", "tokens")} for r, v in scored.items()}
+    lines += [f"The first {n} of the claims rows' {PPL_WINDOWS} windows ({len(set(cut['retained']['article']))} "
+              f"articles), the final recipe read three ways; Δ: log-perplexity of the reading with retention minus "
+              "the other's, 95% paired bootstrap interval over articles (`results/claims.py`'s).", "",
+              "| reading | ppl | retained minus this: Δ log-ppl [95%] |", "|---|---|---|"]
+    for reading, (label, _, _) in READINGS.items():
+        ppl = math.exp(sum(cut[reading]["nll"]) / sum(cut[reading]["tokens"]))
+        delta = "—" if reading == "retained" else "{:+.4f} [{:+.4f}, {:+.4f}]".format(
+            *claims.paired_bootstrap(cut["retained"], cut[reading]))
+        lines.append(f"| {label} | {ppl:.2f} | {delta} |")
+    seeds = [claims.per_window(row) for row in SEED_ROWS]
+    if all(s is not None and len(s["nll"]) >= n for s in seeds):
+        a, b = ({key: s[key][:n] for key in ("article", "nll", "tokens")} for s in seeds)
+        spread = abs(claims.paired_bootstrap(a, b)[0])
+        worst = max(claims.paired_bootstrap(cut["retained"], cut[r])[0] for r in READINGS if r != "retained")
+        verdict = "within" if worst <= spread else "beyond"
+        lines += ["", f"Seed spread on the same windows: |seed 1 − seed 2| = {spread:.4f} in log-perplexity. "
+                  f"Retention's largest loss against the others is {worst:+.4f}: **{verdict} the seed spread** "
+                  "(the issue asks that it not get worse by more)."]
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------- report
@@ -288,7 +391,8 @@ def report_text() -> str:
         beats = retention.interval[0] > window_only.interval[1]
         lines.append(f"- weaker, not the issue's claim: retention by recall beats window-only with non-overlapping "
                      f"95% intervals: **{'holds' if beats else 'undecided (intervals overlap)'}**")
-    return "\n".join(lines) + "\n"
+    lines += [""] + perplexity_lines()
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def report() -> str:
@@ -303,10 +407,16 @@ def main(argv=None):
     runner = sub.add_parser("run", help="run the missing cells, one `linjax eval ruler` call each")
     runner.add_argument("--only", help="a shell pattern on cell names, e.g. 'final-recall-128-*' or '*-niah1-2048'")
     runner.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    scorer = sub.add_parser("perplexity", help="WikiText-2 with retention on and off, resumable")
+    scorer.add_argument("--windows", type=int, default=PPL_WINDOWS, help=f"windows to score (default {PPL_WINDOWS})")
     sub.add_parser("report", help="write results/retention.md from the cells written")
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args.only, args.dry_run)
+    elif args.command == "perplexity":
+        if args.windows < 1:
+            parser.error(f"--windows must be at least 1, got {args.windows}")
+        perplexity(args.windows)
     else:
         report()
 

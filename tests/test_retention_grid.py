@@ -152,3 +152,30 @@ def test_run_calls_linjax_eval_ruler_once_per_missing_cell(grid, monkeypatch):
     command, kwargs = calls[0]
     assert os.path.basename(command[0]) == "linjax" and command[1:3] == ["eval", "ruler"]
     assert kwargs == {"cwd": grid.ROOT, "check": True}  # a failed cell stops the run
+
+
+def write_readings(grid, per_token):
+    """Per-window WikiText-2 files for each reading: 8 windows in 4 articles, NLL `per_token[reading]`
+    per token (plus a small per-window wobble, the same for every reading)."""
+    os.makedirs(grid.CELLS, exist_ok=True)
+    for reading, nll in per_token.items():
+        with open(grid.ppl_path(reading), "w") as f:
+            json.dump({"article": [0, 0, 1, 1, 2, 2, 3, 3], "tokens": [1023] * 8,
+                       "nll": [1023 * (nll + 0.01 * (i % 3)) for i in range(8)]}, f)
+
+
+def test_wikitext_section_judges_retention_by_paired_intervals_and_the_seed_spread(grid, monkeypatch):
+    claims = grid.claims_module()
+    seeds = {row: {"article": [0, 0, 1, 1, 2, 2, 3, 3, 4], "tokens": [1023] * 9, "nll": [1023 * nll] * 9}
+             for row, nll in zip(grid.SEED_ROWS, (3.50, 3.52))}  # seed spread 0.02; a 9th window is cut away
+    monkeypatch.setattr(claims, "per_window", seeds.get)
+    monkeypatch.setattr(grid, "claims_module", lambda: claims)
+    assert "Not run yet" in "\n".join(grid.perplexity_lines())
+    write_readings(grid, {"retained": 3.51, "window-120": 3.50, "as-trained": 3.52})
+    text = "\n".join(grid.perplexity_lines())
+    assert "The first 8 of" in text and "(4 articles)" in text
+    assert "+0.0100 [+0.0100, +0.0100]" in text  # retained minus window-120, the same on every article
+    assert "|seed 1 − seed 2| = 0.0200" in text and "**within the seed spread**" in text
+    write_readings(grid, {"retained": 3.60, "window-120": 3.50, "as-trained": 3.52})
+    assert "**beyond the seed spread**" in "\n".join(grid.perplexity_lines())
+
