@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 import math
 import re
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,12 +112,40 @@ def window_scores(model, windows, batch_size: int = 1, progress: bool = False, t
 
 def merge_scores(first: dict, then: dict) -> dict:
     """window_scores of some windows followed by window_scores of the next ones, as one."""
-    length = max(len(first["position_nll"]), len(then["position_nll"]))
-    padded = {key: [np.pad(np.asarray(scores[key]), (0, length - len(scores[key]))) for scores in (first, then)]
+    length = max(len(first.get("position_nll", [])), len(then["position_nll"]))
+    padded = {key: [np.pad(np.asarray(scores.get(key, []), float), (0, length - len(scores.get(key, []))))
+                    for scores in (first, then)]
               for key in ("position_nll", "position_tokens")}
     return {"nll": first["nll"] + then["nll"], "tokens": first["tokens"] + then["tokens"],
             "position_nll": (padded["position_nll"][0] + padded["position_nll"][1]).tolist(),
             "position_tokens": (padded["position_tokens"][0] + padded["position_tokens"][1]).astype(int).tolist()}
+
+
+def continues(scores: dict, windows, articles) -> bool:
+    """Whether saved per-window scores are those of the first len(scores['nll']) of `windows`
+    (same token counts, same articles), so that scoring may go on from them."""
+    n = len(scores["nll"])
+    return scores["tokens"] == [len(w) - 1 for w in windows[:n]] and scores["article"] == list(articles[:n])
+
+
+def score_in_turn(readings: dict, save: Callable[[str, dict, int, float], None]) -> None:
+    """Scores several readings window by window in turn: window i with every reading, then window i + 1.
+
+    Stopped at any point, the readings hold scores on the same windows, which is what a paired comparison
+    needs; each goes on from the scores it already holds. `readings` maps a name to (token_nll, windows,
+    scores so far: a merge_scores-shaped dict, updated in place). After every scored window,
+    `save(name, scores, index, seconds)` is called, so a crash loses at most one window.
+    """
+    first = min(len(scores["nll"]) for _, _, scores in readings.values())
+    last = max(len(windows) for _, windows, _ in readings.values())
+    for index in range(first, last):
+        for name, (token_nll, windows, scores) in readings.items():
+            if len(scores["nll"]) > index or index >= len(windows):
+                continue
+            start = time.perf_counter()
+            scores.update(merge_scores(scores, window_scores(None, [windows[index]], token_nll=token_nll)))
+            save(name, scores, index, time.perf_counter() - start)
+        print(f"window {index + 1} of {last} scored for {', '.join(readings)}", flush=True)
 
 
 def summary(scores: dict) -> dict:

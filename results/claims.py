@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import tomllib
 
 import numpy as np
@@ -160,13 +159,13 @@ def evaluate_paired(rows):
     compares rows on the windows both have). After every window each row's per-window results are
     written (marked incomplete); a rerun goes on from them; the summary is written once a row is complete."""
     from linjax.eval.models import load_model
-    from linjax.eval.perplexity import merge_scores, summary, text_windows, token_nll_function, window_scores
+    from linjax.eval.perplexity import continues, score_in_turn, summary, text_windows, token_nll_function
     from linjax.files import write_json
 
     with open(WIKITEXT, encoding="utf-8") as f:
         text = f.read()
     settings = {"data": os.path.abspath(WIKITEXT), "seq_len": SEQ_LEN, "max_windows": None, "whole_file": True}
-    state = {}
+    readings, about = {}, {}
     for row in rows:
         if row not in ROWS:
             sys.exit(f"unknown row {row!r}; choose from {', '.join(ROWS)}")
@@ -178,32 +177,27 @@ def evaluate_paired(rows):
         windows, articles = text_windows(tokenizer, text, SEQ_LEN, whole_file=True)
         earlier = per_window(row) or {"nll": [], "tokens": [], "article": [], "position_nll": [],
                                       "position_tokens": [], "seconds": 0.0}
-        n = len(earlier["nll"])
-        if earlier["tokens"] != [len(w) - 1 for w in windows[:n]] or earlier["article"] != articles[:n]:
+        if not continues(earlier, windows, articles):
             sys.exit(f"{row}: eval/wikitext2-full.windows.json holds other windows than the whole file's; "
                      "move it away to score the row again")
-        state[row] = dict(scores=earlier, nll=token_nll_function(model), windows=windows, articles=articles,
-                          description=description, seconds=earlier.get("seconds", 0.0))
-    done = min((len(s["scores"]["nll"]) for s in state.values()), default=0)
-    total = max((len(s["windows"]) for s in state.values()), default=0)
-    for index in range(done, total):
-        for row, s in state.items():
-            if len(s["scores"]["nll"]) > index:
-                continue  # scored before this run began
-            start = time.perf_counter()
-            scores = merge_scores(s["scores"], window_scores(None, [s["windows"][index]], token_nll=s["nll"]))
-            s["seconds"] += time.perf_counter() - start
-            s["scores"] = {key: scores[key] for key in ("nll", "tokens", "position_nll", "position_tokens")}
-            complete = index + 1 == len(s["windows"])
-            results = {"model": s["description"], "article": s["articles"][:index + 1], **s["scores"],
-                       "seconds": s["seconds"]}
-            write_json(os.path.join(eval_dir(row), "wikitext2-full.windows.json"),
-                       {**settings, "complete": complete, "results": [results]})
-            if complete:
-                write_json(os.path.join(eval_dir(row), "wikitext2-full.json"),
-                           {**settings, "results": [{**summary(s["scores"]), "model": s["description"],
-                                                     "seconds": s["seconds"]}]})
-        print(f"window {index + 1} of {total} scored for {', '.join(state)}", flush=True)
+        scores = {key: earlier[key] for key in ("nll", "tokens", "position_nll", "position_tokens")}
+        readings[row] = (token_nll_function(model), windows, scores)
+        about[row] = dict(articles=articles, description=description, seconds=earlier.get("seconds", 0.0))
+
+    def save(row, scores, index, seconds):
+        about[row]["seconds"] += seconds
+        complete = index + 1 == len(readings[row][1])
+        results = {"model": about[row]["description"], "article": about[row]["articles"][:index + 1], **scores,
+                   "seconds": about[row]["seconds"]}
+        write_json(os.path.join(eval_dir(row), "wikitext2-full.windows.json"),
+                   {**settings, "complete": complete, "results": [results]})
+        if complete:
+            write_json(os.path.join(eval_dir(row), "wikitext2-full.json"),
+                       {**settings, "results": [{**summary(scores), "model": about[row]["description"],
+                                                 "seconds": about[row]["seconds"]}]})
+
+    if readings:
+        score_in_turn(readings, save)
 
 
 TRAINING_DATA = os.path.join(HERE, "runs", "training-data.json")

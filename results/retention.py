@@ -180,7 +180,7 @@ def read_ppl(reading: str):
 def perplexity(windows: int = PPL_WINDOWS) -> None:
     """Scores the first `windows` WikiText-2 windows with every reading in turn, saving after each window."""
     from linjax.eval.models import load_model
-    from linjax.eval.perplexity import text_windows, token_nll_function, window_scores
+    from linjax.eval.perplexity import continues, score_in_turn, text_windows, token_nll_function
     from linjax.files import write_json
     from linjax.linearize import with_budget
 
@@ -188,27 +188,23 @@ def perplexity(windows: int = PPL_WINDOWS) -> None:
     model, tokenizer, _ = load_model(os.path.join(ROOT, TRAINED_RUN))
     with open(claims.WIKITEXT, encoding="utf-8") as f:
         texts, articles = text_windows(tokenizer, f.read(), claims.SEQ_LEN, max_windows=windows)
-    state = {}
+    readings = {}
     for reading, (label, window, retain) in READINGS.items():
         earlier = read_ppl(reading) or {"article": [], "nll": [], "tokens": []}
-        n = len(earlier["nll"])
-        if earlier["article"] != articles[:n] or earlier["tokens"] != [len(w) - 1 for w in texts[:n]]:
+        if not continues(earlier, texts, articles):
             sys.exit(f"{os.path.relpath(ppl_path(reading), ROOT)} holds other windows; move it away to score again")
         reader = with_budget(model, sinks=SINKS, window=window, retain=retain)
-        state[reading] = (earlier, token_nll_function(reader), label, window, retain)
-    for index in range(min(len(s[0]["nll"]) for s in state.values()), len(texts)):
-        for reading, (scores, nll, label, window, retain) in state.items():
-            if len(scores["nll"]) > index:
-                continue
-            one = window_scores(None, [texts[index]], token_nll=nll)
-            scores["nll"] += one["nll"]
-            scores["tokens"] += one["tokens"]
-            scores["article"] = articles[:index + 1]
-            write_json(ppl_path(reading), {
-                "model": TRAINED_RUN, "reading": label, "sinks": SINKS, "window": window, "retain": retain,
-                "retain_score": "recall" if retain else None, "seq_len": claims.SEQ_LEN,
-                "windows_asked": len(texts), "complete": index + 1 == len(texts), **scores})
-        print(f"window {index + 1} of {len(texts)} scored for {', '.join(state)}", flush=True)
+        scores = {key: earlier.get(key, []) for key in ("nll", "tokens", "position_nll", "position_tokens")}
+        readings[reading] = (token_nll_function(reader), texts, scores)
+
+    def save(reading, scores, index, seconds):
+        label, window, retain = READINGS[reading]
+        write_json(ppl_path(reading), {
+            "model": TRAINED_RUN, "reading": label, "sinks": SINKS, "window": window, "retain": retain,
+            "retain_score": "recall" if retain else None, "seq_len": claims.SEQ_LEN, "windows_asked": len(texts),
+            "complete": index + 1 == len(texts), **scores, "article": articles[:index + 1]})
+
+    score_in_turn(readings, save)
 
 
 def perplexity_lines() -> list[str]:

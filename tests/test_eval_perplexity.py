@@ -147,6 +147,32 @@ def test_scores_window_by_window_merge_into_the_scores_of_all(tiny_source, token
     np.testing.assert_allclose(merged["position_nll"], together["position_nll"], rtol=1e-5)
 
 
+def test_readings_scored_in_turn_go_on_from_what_they_hold(tiny_source, tokenizer):
+    from linjax.eval.perplexity import continues, score_in_turn, text_windows, token_nll_function, window_scores
+
+    model, _ = linjax.load(tiny_source)
+    windows, articles = text_windows(tokenizer, ARTICLES, seq_len=16, whole_file=True)
+    windows, articles = windows[-4:], articles[-4:]
+    together = window_scores(model, windows, batch_size=4)
+    nll = token_nll_function(model)
+    held = {"nll": [], "tokens": [], "position_nll": [], "position_tokens": []}
+    score_in_turn({"ahead": (nll, windows[:2], held)}, lambda *_: None)  # a reading stopped after two windows
+    assert continues({**held, "article": articles[:2]}, windows, articles)
+    assert not continues({**held, "tokens": [1, 1], "article": articles[:2]}, windows, articles)  # other windows
+    assert not continues({**held, "article": [articles[0] + 1] * 2}, windows, articles)  # other articles
+    fresh = {"nll": [], "tokens": [], "position_nll": [], "position_tokens": []}
+    saved = []
+    score_in_turn({"ahead": (nll, windows, held), "fresh": (nll, windows, fresh)},
+                  lambda name, scores, index, seconds: saved.append((name, index, len(scores["nll"]))))
+    # window by window, each reading scored once per window it lacks: the fresh one catches up first
+    assert saved == [("fresh", 0, 1), ("fresh", 1, 2), ("ahead", 2, 3), ("fresh", 2, 3), ("ahead", 3, 4),
+                     ("fresh", 3, 4)]
+    for scores in (held, fresh):
+        assert scores["tokens"] == together["tokens"]
+        np.testing.assert_allclose(scores["nll"], together["nll"], rtol=1e-5)
+        np.testing.assert_allclose(scores["position_nll"], together["position_nll"], rtol=1e-5)
+
+
 def test_whole_file_and_a_window_limit_are_refused_together(tokenizer):
     import pytest
 
