@@ -292,30 +292,44 @@ def per_window(row):
     return loaded and loaded["results"][0]
 
 
-def common_windows(a, b):
-    """Both rows' per-window results cut to the windows both have scored (evaluate-paired scores rows
+def common_windows(*rows):
+    """The rows' per-window results cut to the windows all have scored (evaluate-paired scores rows
     window by window in turn, so a run stopped early leaves them the same first windows)."""
-    n = min(len(a["nll"]), len(b["nll"]))
-    return ({key: a[key][:n] for key in ("article", "nll", "tokens")},
-            {key: b[key][:n] for key in ("article", "nll", "tokens")})
+    n = min(len(r["nll"]) for r in rows)
+    return tuple({key: r[key][:n] for key in ("article", "nll", "tokens")} for r in rows)
+
+
+def resampled_log_ppl(rows, draws=BOOTSTRAP_DRAWS, seed=0):
+    """(points [rows], samples [rows, draws]): each row's log-perplexity on the windows, and in `draws`
+    resamples of the articles with replacement. Every row draws the same articles in a resample (the
+    comparison is paired), and an article's windows go together (they are not independent)."""
+    first = rows[0]
+    if any(r["tokens"] != first["tokens"] or r["article"] != first["article"] for r in rows[1:]):
+        raise ValueError("the rows were not scored on the same windows")
+    index = {k: i for i, k in enumerate(sorted(set(first["article"])))}
+    which = np.array([index[k] for k in first["article"]])
+    tokens = np.bincount(which, np.asarray(first["tokens"], np.float64))  # per article: tokens, NLL sums
+    nll = np.stack([np.bincount(which, np.asarray(r["nll"], np.float64), len(tokens)) for r in rows])
+    # How often each article is drawn, in each of `draws` resamples of as many articles as there are.
+    counts = np.random.default_rng(seed).multinomial(len(tokens), np.full(len(tokens), 1 / len(tokens)), size=draws)
+    return nll.sum(axis=1) / tokens.sum(), (nll @ counts.T) / (counts @ tokens)
 
 
 def paired_bootstrap(a, b, draws=BOOTSTRAP_DRAWS, seed=0):
     """(point, low, high): log-perplexity of `a` minus that of `b`, scored on the same windows, with its
-    95% percentile interval from resampling articles with replacement (both rows draw the same
-    articles: the comparison is paired, and windows of one article are not independent)."""
-    if a["tokens"] != b["tokens"] or a["article"] != b["article"]:
-        raise ValueError("the two rows were not scored on the same windows")
-    articles = np.asarray(a["article"])
-    index = {k: i for i, k in enumerate(sorted(set(a["article"])))}
-    which = np.array([index[k] for k in articles])
-    difference = np.bincount(which, np.subtract(a["nll"], b["nll"]))  # per article: NLL sums, tokens
-    tokens = np.bincount(which, np.asarray(a["tokens"], np.float64))
-    # How often each article is drawn, in each of `draws` resamples of as many articles as there are.
-    counts = np.random.default_rng(seed).multinomial(len(tokens), np.full(len(tokens), 1 / len(tokens)), size=draws)
-    samples = (counts @ difference) / (counts @ tokens)
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return float(difference.sum() / tokens.sum()), float(low), float(high)
+    95% percentile interval from resampling articles (`resampled_log_ppl`)."""
+    points, samples = resampled_log_ppl([a, b], draws, seed)
+    low, high = np.percentile(samples[0] - samples[1], [2.5, 97.5])
+    return float(points[0] - points[1]), float(low), float(high)
+
+
+def gap_closed(row, window, original, draws=BOOTSTRAP_DRAWS, seed=0):
+    """(point, low, high): the share of the window-only model's excess log-perplexity over the original
+    that `row` removes, (L_window − L_row) / (L_window − L_original), on windows all three have scored,
+    with its 95% interval from resampling articles (`resampled_log_ppl`)."""
+    (r, w, o), samples = resampled_log_ppl([row, window, original], draws, seed)
+    low, high = np.percentile((samples[1] - samples[0]) / (samples[1] - samples[2]), [2.5, 97.5])
+    return float((w - r) / (w - o)), float(low), float(high)
 
 
 def interval_verdict(interval):
@@ -518,9 +532,30 @@ def report():
     lines.append("| error is largest on early tokens (pure GDN, per-token nMSE) | Fig. 4c: highest at the first "
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
                  f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | {early} |")
+    lines += gap_lines(windows)
     lines += ablation_lines()
     path = write_text(os.path.join(HERE, "claims.md"), "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
+
+
+def gap_lines(windows):
+    """claims.md's section on how much of the window-only -> full-attention gap each row closes, with intervals."""
+    lines = ["", "## How much of the window-only → full-attention gap each row closes", "",
+             "The share of window-only's excess WikiText-2 log-perplexity over the original model that a row "
+             "removes, (L_window-only − L_row) / (L_window-only − L_original), on the whole-file windows all "
+             "three have scored, with its 95% interval from resampling articles (the same draws as the claims). "
+             "1 is the original's perplexity, 0 window-only's, below 0 worse than window-only.", ""]
+    if not (windows["window-w56-s8"] and windows["original"]):
+        return lines + ["Not yet measured: window-w56-s8 and original both need whole-file per-window results."]
+    lines += ["| row | share of the gap closed [95% interval] | windows (articles) |", "|---|---|---|"]
+    for row, scores in windows.items():
+        if row in ("window-w56-s8", "original") or not scores:
+            continue
+        cut = common_windows(scores, windows["window-w56-s8"], windows["original"])
+        point, low, high = gap_closed(*cut)
+        lines.append(f"| {row} | {100 * point:.1f}% [{100 * low:.1f}%, {100 * high:.1f}%] | "
+                     f"{len(cut[0]['nll'])} of {WHOLE_FILE_WINDOWS} ({len(set(cut[0]['article']))}) |")
+    return lines
 
 
 ABLATION = os.path.join(ROOT, "configs", "claims", "ablation")

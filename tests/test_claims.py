@@ -62,6 +62,18 @@ def test_rows_without_per_window_results_or_on_other_windows_are_not_compared(cl
         claims.paired_bootstrap(better, {**worse, "tokens": worse["tokens"][:-1]})
 
 
+def test_the_share_of_the_gap_closed(claims):
+    row, window = scored_rows(-0.3, seed=3)  # row: 0.3 nats per token below window-only, article by article
+    original, _ = scored_rows(-0.6, seed=3)  # the original: twice as far below
+    original = {**original, "nll": list(np.asarray(window["nll"]) - 2 * (np.asarray(window["nll"]) - row["nll"]))}
+    point, low, high = claims.gap_closed(row, window, original)
+    assert point == pytest.approx(0.5) and low <= 0.5 <= high and high - low < 1e-9  # exactly half, in every draw
+    point, low, high = claims.gap_closed(window, window, original)
+    assert point == 0 and low == high == 0
+    with pytest.raises(ValueError, match="same windows"):
+        claims.gap_closed(row, window, {**original, "article": original["article"][::-1]})
+
+
 def test_the_report_of_the_committed_rows(claims, monkeypatch):
     """`report` on the committed rows (written to a string here, not to claims.md): every claim of two
     evaluated rows has its earlier verdict and an interval verdict (a claim on a row not yet evaluated,
