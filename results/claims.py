@@ -14,7 +14,7 @@ Every row is SmolLM2-135M linearized as configs/claims/ROW.toml says and trained
 tokens (`linjax train configs/claims/ROW.toml [--resume]`), except `original` (the full-attention
 model) and `window-w56-s8` (sinks + window softmax with no linear state: nothing to train). A
 two-stage row's config starts from its first stage's run (`train.init_from`): train that first
-(configs/claims/gdn-w56-s8-shortconv-at.toml, lolcats-at.toml). Every row
+(configs/claims/gdn-w56-s8-shortconv-at.toml, -at-seed2/3, -ce.toml, lolcats-at.toml). Every row
 is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens;
 `perplexity-full`: the whole file, every token once, with per-window results for the paired bootstrap),
 LAMBADA (OpenAI) accuracy and perplexity (the first 1,000 examples, lm-eval through `linjax eval
@@ -51,12 +51,18 @@ ROWS = {
     "window-w56-s8": "sinks 8 + window 56 softmax, no linear state, untrained (the baseline)",
     "gdn-w56-s8-shortconv": "GDN + w56 + s8 + short conv: the paper's final recipe, seed 1",
     "gdn-w56-s8-shortconv-seed2": "the final recipe, seed 2",
+    "gdn-w56-s8-shortconv-seed3": "the final recipe, seed 3",
     "gdn-w56-s8": "GDN + w56 + s8 (no short conv)",
     "gdn-swa64": "GDN + window 64, no sinks",
     "gla-w56-s8": "GLA + w56 + s8",
     "gdn": "pure GDN (no window)",
     "gla": "pure GLA (no window)",
     "gdn-w56-s8-shortconv-at-ce": "the final recipe: 1,000 attention-transfer steps, then 1,000 CE steps",
+    "gdn-w56-s8-shortconv-ce-ce": "the control for the row above: 1,000 CE steps, then 1,000 CE steps after the "
+                                  "same restart (fresh optimizer, warm-up and document order)",
+    **{f"{row}-seed{seed}": f"{what}, seed {seed}" for row, what in (
+        ("gdn-w56-s8", "GDN + w56 + s8"), ("gla-w56-s8", "GLA + w56 + s8"),
+        ("gdn-w56-s8-shortconv-at-ce", "attention transfer then CE")) for seed in (2, 3)},
     "lolcats": "the LoLCATs peer: Hedgehog + window 64 under one normaliser; 1,000 attention-transfer steps "
                "(feature maps), then 1,000 CE steps (LoRA alone)",
     "liger-gla": "the Liger-GLA peer: GLA gated by the pooled key projection, 0.5 · linear + 0.5 · window 64, LoRA",
@@ -372,6 +378,8 @@ CLAIMS = [
      "gdn-w56-s8-shortconv", "gdn-w56-s8"),
     ("beyond the paper: attention transfer then CE beats CE alone at the same steps", "—",
      "gdn-w56-s8-shortconv-at-ce", "gdn-w56-s8-shortconv"),
+    ("beyond the paper: attention transfer then CE beats CE then CE (the same restart between the stages)", "—",
+     "gdn-w56-s8-shortconv-at-ce", "gdn-w56-s8-shortconv-ce-ce"),
     ("the final recipe beats LoLCATs (same 64-token cache)",
      "6-task average 71.34 vs 70.24, MMLU 59.17 vs 54.88 (Table 4, Llama-3.1-8B)", "gdn-w56-s8-shortconv", "lolcats"),
     ("the final recipe beats Liger-GLA (same 64-token cache)",

@@ -129,6 +129,33 @@ def test_the_lolcats_peer_is_two_stages_of_the_claims_budget(claims, monkeypatch
     assert (trained, seeds, tokens) == ("not started + not started", "1 then 2", "0.00M")
 
 
+def test_replicates_and_the_control_differ_from_their_rows_only_where_named(claims):
+    """Each seed replicate's config is its row's with another seed (and, for a second stage, its own first
+    stage); the CE -> CE control is attention transfer -> CE with the first stage's objective changed."""
+    def settings(row):
+        config = claims.config_of(row)
+        train = {k: v for k, v in config["train"].items() if k not in ("seed", "init_from", "objective")}
+        return config["model"], config["linearize"], config["data"], train
+
+    replicates = [row for row in claims.ROWS if "-seed" in row]
+    assert len(replicates) == 8  # seeds 2 and 3 of four rows
+    for row in replicates:
+        base, seed = row.rsplit("-seed", 1)
+        assert settings(row) == settings(base), row
+        assert claims.config_of(row)["run_dir"] == f"results/runs/{row}"
+        stages = [(os.path.basename(name), seed_of) for name, _, _, seed_of in claims.stages(row)]
+        base_stages = claims.stages(base)
+        assert len(stages) == len(base_stages) and stages[-1][0] == row and stages[0][1] == int(seed)
+        for (name, _), (base_name, *_) in zip(stages, base_stages):
+            assert claims.config_of(name)["train"].get("objective", "ce") == \
+                claims.config_of(base_name)["train"].get("objective", "ce")
+    control, treated = claims.stages("gdn-w56-s8-shortconv-ce-ce"), claims.stages("gdn-w56-s8-shortconv-at-ce")
+    assert [stage[1:] for stage in control] == [stage[1:] for stage in treated]  # steps, tokens, seeds
+    assert [settings(stage[0]) for stage in control] == [settings(stage[0]) for stage in treated]
+    assert [claims.config_of(stage[0])["train"]["objective"] for stage in control] == ["ce", "ce"]
+    assert [claims.config_of(stage[0])["train"]["objective"] for stage in treated] == ["attention_transfer", "ce"]
+
+
 def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_path, tiny_source, tokenizer):
     """`evaluate-paired` scores rows window by window, writes per-window results after each window, and a
     rerun after a stop goes on from them to the results an uninterrupted run gives."""
