@@ -54,6 +54,7 @@ ROWS = {
     "gdn-w56-s8-shortconv-seed3": "the final recipe, seed 3",
     "gdn-w56-s8": "GDN + w56 + s8 (no short conv)",
     "gdn-swa64": "GDN + window 64, no sinks",
+    "window-64": "window 64 softmax, no sinks, no linear state, untrained (the baseline for gdn-swa64)",
     "gla-w56-s8": "GLA + w56 + s8",
     "gdn": "pure GDN (no window)",
     "gla": "pure GLA (no window)",
@@ -67,7 +68,8 @@ ROWS = {
                "(feature maps), then 1,000 CE steps (LoRA alone)",
     "liger-gla": "the Liger-GLA peer: GLA gated by the pooled key projection, 0.5 · linear + 0.5 · window 64, LoRA",
 }
-UNTRAINED = {"original": "smollm2-135m", "window-w56-s8": "configs/claims/window-w56-s8.toml"}
+UNTRAINED = {"original": "smollm2-135m", "window-w56-s8": "configs/claims/window-w56-s8.toml",
+             "window-64": "configs/claims/window-64.toml"}
 NIAH_TASKS, NIAH_LENGTHS, NIAH_SAMPLES = ("niah_single_1", "niah_single_2"), (1024, 2048), 10
 
 
@@ -113,6 +115,10 @@ def evaluations(row, model):
         "perplexity": (os.path.join(out, "wikitext2.json"), linjax + [
             "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
             "--seq-len", "1024", "--max-windows", "64", "--out", os.path.join(out, "wikitext2.json")]),
+        # the same text as the 64 windows of 1,024, in 128 windows of 512: the training length
+        "perplexity-512": (os.path.join(out, "wikitext2-512.json"), linjax + [
+            "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
+            "--seq-len", "512", "--max-windows", "128", "--out", os.path.join(out, "wikitext2-512.json")]),
         "perplexity-full": (os.path.join(out, "wikitext2-full.json"), linjax + [
             "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
             "--seq-len", "1024", "--whole-file", "--out", os.path.join(out, "wikitext2-full.json")]),
@@ -265,6 +271,8 @@ def metrics_of(row):
     m["ppl"] = ppl["results"][0]["perplexity"] if ppl else None
     whole = _load(os.path.join(out, "wikitext2-full.json"))
     m["ppl_whole_file"] = whole["results"][0]["perplexity"] if whole else None
+    short = _load(os.path.join(out, "wikitext2-512.json"))
+    m["ppl_512"] = short["results"][0]["perplexity"] if short else None
     lam = _load(os.path.join(out, "lambada", "lm_eval_results.json"))
     lam = lam and lam["results"].get("lambada_openai")
     m["lambada_acc"] = 100 * lam["acc,none"] if lam else None
@@ -374,6 +382,8 @@ CLAIMS = [
     ("GDN beats GLA with window 56 + sinks 8", "68.82 vs 59.31 / 64.53 vs 56.50 (Table 2)", "gdn-w56-s8", "gla-w56-s8"),
     ("sinks + window beat window 64 (same cache)", "GDN 68.82 vs 41.92 / 64.53 vs 59.30 (Table 2)",
      "gdn-w56-s8", "gdn-swa64"),
+    ("the same without a linear state or training: sinks 8 + window 56 beat window 64", "—",
+     "window-w56-s8", "window-64"),
     ("short conv helps (GDN + w56 + s8)", "69.01 vs 68.82 / 64.64 vs 64.53 (Tables 2, 3)",
      "gdn-w56-s8-shortconv", "gdn-w56-s8"),
     ("beyond the paper: attention transfer then CE beats CE alone at the same steps", "—",
@@ -472,16 +482,16 @@ def report():
              "tokens (2,500 steps x 4,096); linjax's are WikiText-2 perplexity (lower is better) and LAMBADA "
              "accuracy on SmolLM2-135M.", "",
              "| row | trained steps | seed | tokens trained | epochs (as read / of the unique tokens) | "
-             "train loss (last 100) | WikiText-2 ppl (64 windows) | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
+             "train loss (last 100) | WikiText-2 ppl (64 windows) | the same text in 512-token windows | WikiText-2 ppl (whole file) | LAMBADA acc | LAMBADA ppl | "
              "LAMBADA acc / ppl (all 5,153) | "
              + " | ".join(k.replace("niah_single_", "S-NIAH-") for k in niah_keys)
              + " | nMSE (mean of layers) | nMSE tokens 1-8 | nMSE tokens 64+ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
     for row, what in ROWS.items():
         m = metrics[row]
         trained, seed, tokens, epochs = training_columns(row, data)
         lines.append(f"| **{row}**: {what} | {trained} | {seed} | {tokens} | {epochs} | "
-                     f"{fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | "
+                     f"{fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | {fmt(m['ppl_512'])} | "
                      f"{fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} | {fmt(m['lambada_ppl'])} | "
                      f"{fmt(m['lambada_full_acc'], 1)} / {fmt(m['lambada_full_ppl'])} | "
@@ -608,7 +618,7 @@ def main():
     sub.add_parser("status")
     ev = sub.add_parser("evaluate")
     ev.add_argument("rows", nargs="+")
-    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-full,lambada,lambada-full,niah,approx")
+    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-512,perplexity-full,lambada,lambada-full,niah,approx")
     paired = sub.add_parser("evaluate-paired", help="perplexity-full of several rows, window by window in turn")
     paired.add_argument("rows", nargs="+")
     sub.add_parser("report")

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 CELLS = os.path.join(HERE, "distant-context")
 REPORT = os.path.join(HERE, "distant-context.md")
 SINKS, SCORED, KEPT_TAIL = 8, 64, 120  # the sinks, the tokens scored, the tail left as it is (56 + 64)
-STRIDE = 4  # every 4th full window: 74 windows over most of the file's articles
+STRIDE = 8  # every 8th full window: 37 windows, each in another article or nearly
 FINAL = "gdn-w56-s8-shortconv"  # the final recipe, seed 1
 # reading -> (claims row, swapped?)
 READINGS = {"window-only": ("window-w56-s8", False), "window-only-swapped": ("window-w56-s8", True),
@@ -156,11 +156,12 @@ def position_lines(claims) -> list[str]:
 
 
 def swap_lines(claims) -> list[str]:
+    cells = {reading: read_cell(reading) for reading in READINGS}
+    stride = next((c["stride"] for c in cells.values() if c), STRIDE)
     lines = ["## The distant-context swap", "",
-             f"Every {STRIDE}th full window; tokens {SINKS}-{claims.SEQ_LEN - KEPT_TAIL - 1} replaced by another "
+             f"Every {stride}th full window; tokens {SINKS}-{claims.SEQ_LEN - KEPT_TAIL - 1} replaced by another "
              f"article's, the last {SCORED} tokens scored (see this file's script for the design). Δ: log-perplexity "
              "of the first minus the second on the windows both have, 95% paired bootstrap interval over articles.", ""]
-    cells = {reading: read_cell(reading) for reading in READINGS}
     if not all(cells.values()):
         missing = ", ".join(r for r, c in cells.items() if not c)
         return lines + [f"Not run yet: {missing} (`python results/distant_context.py run`)."]

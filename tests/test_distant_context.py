@@ -54,7 +54,7 @@ def test_window_only_reads_the_swap_only_within_its_reach_through_depth(distant,
 
 
 def cell(nll_per_window, articles):
-    return {"complete": True, "window": list(range(len(articles))), "article": articles,
+    return {"complete": True, "stride": 8, "window": list(range(len(articles))), "article": articles,
             "nll": [64 * x for x in nll_per_window], "tokens": [64] * len(articles)}
 
 
