@@ -70,6 +70,7 @@ class LinearAttention(Attention):
         self.scale = float(scale) if scale is not None else default
         self.output_gain = nn.Parameter(torch.ones(H)) if settings.get("output_gain") else None
         self.conv = settings.get("adapter") == "shortconv"
+        self.conv_on_window = bool(settings.get("conv_on_window", False))
         if self.conv:
             K = int(settings.get("conv_kernel", 8))
             conv = lambda c: nn.Conv1d(c, c, K, groups=c, bias=True)
@@ -123,9 +124,8 @@ class LinearAttention(Attention):
         """x [B,T,d] at positions start .. start + T − 1; `cache` is read and advanced past them."""
         if self.retain:
             return self.forward_retaining(x, position_ids, start, cache)
-        q, k, v = self.qkv(x, position_ids)
-        softmax_q, softmax_k, softmax_v = q, k, v  # the window attends with the raw post-RoPE q, k, v
-        q, k, v = self.features(*self.short_conv(q, k, v, cache))
+        softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
+        q, k, v = self.features(q, k, v)
         linear_inputs = [k.float(), v.float(), *self.gates(x)]
         if self.window:
             linear_inputs, shifted = shift_linear_inputs(linear_inputs, self.sinks, self.window, start,
@@ -156,13 +156,12 @@ class LinearAttention(Attention):
         whole forward. Without a cache a fresh one is used and dropped."""
         if cache is None:
             cache = LinearLayerCache(self.sinks, self.window)
-        q, k, v = self.qkv(x, position_ids)
-        softmax_q, softmax_k, softmax_v = q, k, v
+        softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
         # The pretrained keys and values of the tokens leaving the window, delayed as the linear inputs are
         # (a sink's key is zeroed there too: sinks are never offered a slot).
         leaving_kv, _ = shift_linear_inputs([softmax_k, softmax_v], self.sinks, self.window, start,
                                             cache.window.latest(self.window, softmax_k[:, :1]))
-        q, k, v = self.features(*self.short_conv(q, k, v, cache))
+        q, k, v = self.features(q, k, v)
         leaving, cache.shifted = shift_linear_inputs([k.float(), v.float(), *self.gates(x)], self.sinks,
                                                      self.window, start, cache.shifted)
         positions = token_positions(start, x.shape[1], x.device)
@@ -211,6 +210,13 @@ class LinearAttention(Attention):
                                                         position - self.window)
         k = torch.where(written_valid[..., None], k, torch.zeros_like(k))
         return [k, v] + ([decay] if decay is not None else []) + gates
+
+    def window_and_linear_qkv(self, x, position_ids, cache: Optional[LinearLayerCache]):
+        """(the window softmax's q, k, v, then the linear part's before its feature map): the raw post-RoPE
+        q, k, v for the window unless `conv_on_window`, the short conv's output (if any) for the linear part."""
+        raw = self.qkv(x, position_ids)
+        convolved = self.short_conv(*raw, cache)
+        return (*(convolved if self.conv_on_window else raw), *convolved)
 
     def short_conv(self, q, k, v, cache: Optional[LinearLayerCache]):
         """q, k, v after the short conv (if any), its inputs' history kept in `cache`."""

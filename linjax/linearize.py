@@ -71,6 +71,8 @@ class LinearizeConfig:
         linear state covers the rest ("SWA 64" is window=64, sinks=0; 0/0 is pure linear attention).
     combine: "sum" (the paper's disjoint sum) or "mixed" (Liger's 0.5 · linear + 0.5 · window).
     adapter: None, "shortconv" (kernel 8 on q, k, v) or "lora" (rank 8, alpha 16 on q/k/v/o).
+    conv_on_window: with adapter="shortconv", the sinks + window softmax also reads the convolved
+        q, k, v; by default (False, the paper's) the short conv feeds only the linear part.
     keep_full_attention: layer indices kept as softmax attention, or a fraction of the layers
         spread uniformly over depth.
     kernel: "auto" (the default: "pallas" when JAX has a CUDA device, else "chunked"), "chunked"
@@ -107,6 +109,7 @@ class LinearizeConfig:
     sinks: int = 8
     combine: str = "sum"
     adapter: str | None = None
+    conv_on_window: bool = False
     keep_full_attention: tuple[int, ...] | float = ()
     gate_rank: int = 16
     conv_kernel: int = 8
@@ -147,6 +150,11 @@ class LinearizeConfig:
         if self.mechanism == "window" and self.adapter is not None:
             raise ValueError(f"mechanism='window' has no linear part for the {self.adapter!r} adapter to act on; "
                              "use adapter=None")
+        if not isinstance(self.conv_on_window, bool):
+            raise ValueError(f"conv_on_window must be true or false, got {self.conv_on_window!r}")
+        if self.conv_on_window and (self.adapter != "shortconv" or not self.window):
+            raise ValueError("conv_on_window=True feeds the short conv's q, k, v to the window softmax: it needs "
+                             f"adapter='shortconv' and window ≥ 1 (got adapter={self.adapter!r}, window={self.window})")
         if self.combine == "mixed" and not self.window:
             raise ValueError("combine='mixed' mixes the linear and window parts; it needs window ≥ 1")
         for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):

@@ -106,7 +106,7 @@ def window_only_case(model_type: str, seed: int = 0):
 
 
 GENERATE_CASES = {"llama": ("llama-lora-w56-s8", "llama-mixed-w56-s8", "llama-window-w56-s8",
-                            "llama-scale-gain-w56-s8"),
+                            "llama-scale-gain-w56-s8", "llama-conv-on-window-w56-s8"),
                   "qwen3": ("qwen3-shortconv-w0-s0", "qwen3-None-w64-s0")}
 PROMPT = 70  # > window + sinks: decoding crosses into the linear state
 NEW_TOKENS = 20
@@ -129,6 +129,8 @@ def write_cases(model_type: str, root: str):
     if model_type == "llama":
         cases.append((f"{model_type}-mixed-w56-s8", build_case(model_type, "shortconv", 56, 8, combine="mixed")))
         cases.append((f"{model_type}-window-w56-s8", window_only_case(model_type)))
+        cases.append((f"{model_type}-conv-on-window-w56-s8", build_case(model_type, "shortconv", 56, 8,
+                                                                        conv_on_window=True)))
         # A set scale (1, the paper's y = qᵀS; 0.5) and learned per-head gains, with a window and without.
         cases.append((f"{model_type}-scale-gain-w56-s8", build_case(model_type, None, 56, 8, scale=1.0,
                                                                     output_gain=True)))

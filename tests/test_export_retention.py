@@ -26,7 +26,9 @@ from tests.test_export import SOFTMAX_LAYER, TOLERANCE, _run, build_case
 SINKS, WINDOW, RETAIN = 2, 4, 3
 SEQUENCE = 40
 PROMPT, NEW_TOKENS = 30, 8
-CASES = {"recall": "shortconv", "key_norm": "lora"}  # score → adapter
+# case -> (score, adapter, further settings)
+CASES = {"recall": ("recall", "shortconv", {}), "key_norm": ("key_norm", "lora", {}),
+         "recall-conv-on-window": ("recall", "shortconv", {"conv_on_window": True})}
 
 
 def write_retention_cases(root: str):
@@ -41,13 +43,13 @@ def write_retention_cases(root: str):
     jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates here
     tokens = np.random.default_rng(1).integers(0, 128, (2, SEQUENCE)).astype(np.int32)
     forward = nnx.jit(lambda model, t: model(t))
-    for score, adapter in CASES.items():
-        model = build_case("llama", adapter, WINDOW, SINKS, seed=3, retain=RETAIN, retain_score=score)
+    for name, (score, adapter, extra) in CASES.items():
+        model = build_case("llama", adapter, WINDOW, SINKS, seed=3, retain=RETAIN, retain_score=score, **extra)
         assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
         logits = np.asarray(forward(model, jnp.asarray(tokens)))
         without = np.asarray(forward(with_budget(model, sinks=SINKS, window=WINDOW, retain=0), jnp.asarray(tokens)))
-        linjax.save_hf(model, os.path.join(root, score))
-        np.savez(os.path.join(root, score + ".npz"), tokens=tokens, logits=logits,
+        linjax.save_hf(model, os.path.join(root, name))
+        np.savez(os.path.join(root, name + ".npz"), tokens=tokens, logits=logits,
                  retain_changes=np.abs(logits - without).max())
 
 
@@ -65,7 +67,7 @@ for score in scores:
                                                  dtype=torch.float32).eval()
     data = np.load(os.path.join(root, score + ".npz"))
     tokens = torch.tensor(data["tokens"], dtype=torch.long)
-    result = {"config": {k: model.config.linearize[k] for k in ("retain", "retain_score")}}
+    result = {"config": {k: model.config.linearize[k] for k in ("retain", "retain_score", "conv_on_window")}}
     with torch.no_grad():
         full = model(tokens).logits
         result["max_abs"] = float(np.abs(full.numpy() - data["logits"]).max())
@@ -108,9 +110,10 @@ def test_export_with_retained_tokens_matches_linjax_without_jax(tmp_path):
     results = json.loads(_run(["-c", TORCH_CHECK, root, ",".join(CASES), str(PROMPT), str(NEW_TOKENS)], cwd=root)
                          .strip().splitlines()[-1])
     print(json.dumps(results, indent=1))
-    for score in CASES:
+    for score, (scored_by, _, extra) in CASES.items():
         result = results[score]
-        assert result["config"] == {"retain": RETAIN, "retain_score": score}
+        assert result["config"] == {"retain": RETAIN, "retain_score": scored_by,
+                                    "conv_on_window": extra.get("conv_on_window", False)}
         assert float(np.load(os.path.join(root, score + ".npz"))["retain_changes"]) > 1e-2, \
             f"{score}: retain = 0 gives the same logits, so this case does not exercise the retained slots"
         assert result["max_abs"] <= TOLERANCE, f"{score}: max abs logit difference {result['max_abs']:.2e}"

@@ -1,5 +1,6 @@
 """Linearized models: parameter counts, exactness of kept layers, prefill/decode agreement, states, errors."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -97,6 +98,17 @@ def test_prefill_then_decode_equals_one_pass(one_layer_models, kind, mechanism, 
                 b = getattr(block.attn.lora, f"{name}_b")
                 b[...] = 0.05 * jax.random.normal(jax.random.key(1), b.shape)
     assert_decode_equals_one_pass(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_short_conv_on_the_window_too_decodes_as_one_pass(one_layer_models, kind):
+    """conv_on_window: the window softmax reads the convolved q, k, v (decode keeps them in its window cache)."""
+    settings = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv", conv_on_window=True)
+    model = linjax.linearize(one_layer_models[kind], settings, seed=3)
+    assert_decode_equals_one_pass(model)
+    usual = linjax.linearize(one_layer_models[kind], dataclasses.replace(settings, conv_on_window=False), seed=3)
+    tokens = tokens_for(model, 24)
+    assert np.abs(np.asarray(model(tokens)) - np.asarray(usual(tokens))).max() > 1e-3  # the option changes the window
 
 
 def assert_decode_equals_one_pass(model):
@@ -258,6 +270,9 @@ def test_linear_decode_states_do_not_grow_with_context(tiny_models):
     (dict(scale=float("inf")), "scale must be a finite number > 0"),
     (dict(scale="1"), "scale must be a finite number > 0"),
     (dict(output_gain="yes"), "output_gain must be true or false"),
+    (dict(conv_on_window=True), "needs adapter='shortconv'"),
+    (dict(conv_on_window=True, adapter="shortconv", window=0, sinks=0), "needs adapter='shortconv' and window"),
+    (dict(conv_on_window="yes", adapter="shortconv"), "conv_on_window must be true or false"),
 ])
 def test_bad_settings_are_refused(settings, match):
     with pytest.raises(ValueError, match=match):

@@ -136,10 +136,12 @@ def test_ties_keep_the_older_token_and_empty_slots_fill_first():
     assert not bool(written_valid[0, 0]) and sorted(np.asarray(cache.position[0, :, 0]).tolist()) == [5, 8]
 
 
-@pytest.mark.parametrize("mechanism,score", [("gdn", "recall"), ("gdn", "key_norm"), ("gla", "recall"),
-                                             ("hedgehog", "recall")])
-def test_prefill_then_decode_equals_decoding_the_whole_prompt(base, mechanism, score):
-    settings = gdn_settings(mechanism=mechanism, retain=RETAIN, retain_score=score, adapter="shortconv")
+@pytest.mark.parametrize("mechanism,score,conv_on_window", [
+    ("gdn", "recall", False), ("gdn", "key_norm", False), ("gla", "recall", False), ("hedgehog", "recall", False),
+    ("gdn", "recall", True)])
+def test_prefill_then_decode_equals_decoding_the_whole_prompt(base, mechanism, score, conv_on_window):
+    settings = gdn_settings(mechanism=mechanism, retain=RETAIN, retain_score=score, adapter="shortconv",
+                            conv_on_window=conv_on_window)
     model = linjax.linearize(base, settings, seed=2)
     graphdef, params = nnx.split(model)
     forward = jax.jit(lambda params, tokens, states: nnx.merge(graphdef, params)(tokens, states=states))

@@ -76,6 +76,7 @@ class LinearMixer(nnx.Module):
                      if settings.adapter == "lora" else None)
         self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel, rngs=rngs)
                      if settings.adapter == "shortconv" else None)
+        self.conv_on_window = settings.conv_on_window
         # A learned gain per head on the linear term; 1 at init (by default), so the untrained model is unchanged.
         self.output_gain = (Trainable(jnp.full((heads,), settings.output_gain_init, jnp.float32))
                             if settings.output_gain else None)
@@ -169,8 +170,7 @@ class LinearMixer(nnx.Module):
         if self.sinks_window.retain:
             return self._call_retaining(x, positions, state)
         q, k, v = self.proj.qkv(x, positions, self.lora)
-        softmax_qkv = (q, k, v)  # the window attends with the pretrained queries and keys as they are
-        (q, k, v), conv_state = self._short_conv(q, k, v, state)
+        softmax_qkv, (q, k, v), conv_state = self._window_and_linear_qkv(q, k, v, state)
         q, k = self.features(q, k)
         gates = tuple(self.gates(x, k))
         parts, (lin_k, lin_v, *lin_gates), window_state = self.sinks_window(
@@ -189,8 +189,7 @@ class LinearMixer(nnx.Module):
         conv, features and gates still run over the whole block. `retain_nothing`: the same scan with
         no retained slots (the window's decode step, token by token), for tests."""
         q, k, v = self.proj.qkv(x, positions, self.lora)
-        softmax_qkv = (q, k, v)
-        (q, k, v), conv_state = self._short_conv(q, k, v, state)
+        softmax_qkv, (q, k, v), conv_state = self._window_and_linear_qkv(q, k, v, state)
         q, k = self.features(q, k)
         linear_inputs = (k, v) + tuple(self.gates(x, k))
         stays = self._stays(linear_inputs)
@@ -221,6 +220,12 @@ class LinearMixer(nnx.Module):
         if retain_nothing:
             window_state = window_state._replace(retained=start.window.retained)
         return out, LinearState(linear_state, state.length + x.shape[1], conv_state, window_state)
+
+    def _window_and_linear_qkv(self, q, k, v, state):
+        """(the window softmax's q, k, v; the linear part's, before its feature map; the conv's caches).
+        The window attends with the pretrained queries and keys as they are, unless `conv_on_window`."""
+        convolved, conv_state = self._short_conv(q, k, v, state)
+        return (convolved if self.conv_on_window else (q, k, v)), convolved, conv_state
 
     def _short_conv(self, q, k, v, state):
         """q, k, v after the short convolution (if any), and its caches after them."""
