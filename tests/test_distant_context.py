@@ -33,12 +33,12 @@ def test_donors_start_in_another_article_and_only_the_middle_is_swapped(distant)
 
 
 def test_window_only_reads_the_swap_only_within_its_reach_through_depth(distant, tiny_source):
-    """Sinks 8 + window 56 at 1,024 tokens, two layers: a softmax-only model's last 64 predictions reach
+    """Sinks 8 + window 56 at 256 tokens (the run's geometry at the window's end), two layers: a softmax-only model's last 64 predictions reach
     2 x 56 tokens further back than their own window, so a swap ending before that reach leaves them
     as they were, and one ending inside it does not; a GDN + window model reads even the distant swap."""
     base, _ = linjax.load(tiny_source)
     rng = np.random.default_rng(0)
-    window, donor = (rng.integers(0, 1000, 1024).astype(np.int32) for _ in range(2))
+    window, donor = (rng.integers(0, 1000, 256).astype(np.int32) for _ in range(2))
     beyond_reach = distant.swapped(window, donor, kept_tail=distant.SCORED + 2 * 56 + 8)
     within_reach = distant.swapped(window, donor)  # the run's swap: kept tail 120
     assert (within_reach[-distant.KEPT_TAIL:] == window[-distant.KEPT_TAIL:]).all()
