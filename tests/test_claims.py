@@ -74,6 +74,21 @@ def test_the_share_of_the_gap_closed(claims):
         claims.gap_closed(row, window, {**original, "article": original["article"][::-1]})
 
 
+def test_the_training_length_section_compares_the_same_text_at_both_lengths(claims, monkeypatch):
+    better_512, window_512 = scored_rows(-0.1, articles=25)
+    better_1024, window_1024 = scored_rows(-0.2, articles=25, seed=4)
+    files = {("gdn-w56-s8", "wikitext2-512"): better_512, ("window-w56-s8", "wikitext2-512"): window_512,
+             ("gdn-w56-s8", "wikitext2-full"): better_1024, ("window-w56-s8", "wikitext2-full"): window_1024}
+    monkeypatch.setattr(claims, "per_window", lambda row, evaluation="wikitext2-full": files.get((row, evaluation)))
+    metrics = {row: {"ppl": 30.0, "ppl_512": 32.0} for row in claims.ROWS}
+    line = next(line for line in claims.training_length_lines(metrics) if line.startswith("| gdn-w56-s8 |"))
+    at_512, at_1024 = (float(cell.split()[0]) for cell in line.split(" | ")[3:5])
+    assert at_512 == pytest.approx(-0.1, abs=0.03) and at_1024 == pytest.approx(-0.2, abs=0.03)
+    assert "64 windows in" in line  # the 1,024-token side: the first 64 windows, the same text as the 128 of 512
+    monkeypatch.setattr(claims, "per_window", lambda row, evaluation="wikitext2-full": None)
+    assert "Not yet measured" in claims.training_length_lines(metrics)[-1]
+
+
 def test_the_report_of_the_committed_rows(claims, monkeypatch):
     """`report` on the committed rows (written to a string here, not to claims.md): every claim of two
     evaluated rows has its earlier verdict and an interval verdict (a claim on a row not yet evaluated,
