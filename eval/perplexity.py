@@ -128,13 +128,14 @@ def continues(scores: dict, windows, articles) -> bool:
     return scores["tokens"] == [len(w) - 1 for w in windows[:n]] and scores["article"] == list(articles[:n])
 
 
-def score_in_turn(readings: dict, save: Callable[[str, dict, int, float], None]) -> None:
+def score_in_turn(readings: dict, save: Callable[[str, dict, int, float], None], progress: bool = False) -> None:
     """Scores several readings window by window in turn: window i with every reading, then window i + 1.
 
     Stopped at any point, the readings hold scores on the same windows, which is what a paired comparison
     needs; each goes on from the scores it already holds. `readings` maps a name to (token_nll, windows,
     scores so far: a merge_scores-shaped dict, updated in place). After every scored window,
-    `save(name, scores, index, seconds)` is called, so a crash loses at most one window.
+    `save(name, scores, index, seconds)` is called, so a crash loses at most one window. `progress`: a line
+    per window on stdout.
     """
     first = min(len(scores["nll"]) for _, _, scores in readings.values())
     last = max(len(windows) for _, windows, _ in readings.values())
@@ -145,7 +146,8 @@ def score_in_turn(readings: dict, save: Callable[[str, dict, int, float], None])
             start = time.perf_counter()
             scores.update(merge_scores(scores, window_scores(None, [windows[index]], token_nll=token_nll)))
             save(name, scores, index, time.perf_counter() - start)
-        print(f"window {index + 1} of {last} scored for {', '.join(readings)}", flush=True)
+        if progress:
+            print(f"window {index + 1} of {last} scored for {', '.join(readings)}", flush=True)
 
 
 def summary(scores: dict) -> dict:

@@ -154,7 +154,8 @@ class LinearizeConfig:
             raise ValueError(f"conv_on_window must be true or false, got {self.conv_on_window!r}")
         if self.conv_on_window and (self.adapter != "shortconv" or not self.window):
             raise ValueError("conv_on_window=True feeds the short conv's q, k, v to the window softmax: it needs "
-                             f"adapter='shortconv' and window ≥ 1 (got adapter={self.adapter!r}, window={self.window})")
+                             f"adapter='shortconv' and window ≥ 1 "
+                             f"(got adapter={self.adapter!r}, window={self.window})")
         if self.combine == "mixed" and not self.window:
             raise ValueError("combine='mixed' mixes the linear and window parts; it needs window ≥ 1")
         for name in ("gate_rank", "conv_kernel", "lora_rank", "chunk"):

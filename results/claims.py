@@ -209,7 +209,7 @@ def evaluate_paired(rows):
                                                  "seconds": about[row]["seconds"]}]})
 
     if readings:
-        score_in_turn(readings, save)
+        score_in_turn(readings, save, progress=True)
 
 
 TRAINING_DATA = os.path.join(HERE, "runs", "training-data.json")

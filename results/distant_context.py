@@ -131,7 +131,7 @@ def run(stride: int = STRIDE) -> None:
             "window": [i for i, _ in a["pairs"][:index + 1]], "donor": [d for _, d in a["pairs"][:index + 1]],
             "article": a["articles"][:index + 1], **scores})
 
-    score_in_turn(readings, save)
+    score_in_turn(readings, save, progress=True)
 
 
 def position_lines(claims) -> list[str]:

@@ -204,7 +204,7 @@ def perplexity(windows: int = PPL_WINDOWS) -> None:
             "retain_score": "recall" if retain else None, "seq_len": claims.SEQ_LEN, "windows_asked": len(texts),
             "complete": index + 1 == len(texts), **scores, "article": articles[:index + 1]})
 
-    score_in_turn(readings, save)
+    score_in_turn(readings, save, progress=True)
 
 
 def perplexity_lines() -> list[str]:

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def distant():
-    spec = importlib.util.spec_from_file_location("distant_context", os.path.join(ROOT, "results", "distant_context.py"))
+    path = os.path.join(ROOT, "results", "distant_context.py")
+    spec = importlib.util.spec_from_file_location("distant_context", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -33,9 +34,10 @@ def test_donors_start_in_another_article_and_only_the_middle_is_swapped(distant)
 
 
 def test_window_only_reads_the_swap_only_within_its_reach_through_depth(distant, tiny_source):
-    """Sinks 8 + window 56 at 256 tokens (the run's geometry at the window's end), two layers: a softmax-only model's last 64 predictions reach
-    2 x 56 tokens further back than their own window, so a swap ending before that reach leaves them
-    as they were, and one ending inside it does not; a GDN + window model reads even the distant swap."""
+    """Sinks 8 + window 56 at 256 tokens (the run's geometry at the window's end), two layers: a
+    softmax-only model's last 64 predictions reach 2 x 56 tokens further back than their own window, so a
+    swap ending before that reach leaves them as they were, and one ending inside it does not; a GDN +
+    window model reads even the distant swap."""
     base, _ = linjax.load(tiny_source)
     rng = np.random.default_rng(0)
     window, donor = (rng.integers(0, 1000, 256).astype(np.int32) for _ in range(2))
