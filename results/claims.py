@@ -146,6 +146,9 @@ def is_done(name, path):
 
 
 def evaluate(rows, only):
+    known = evaluations("any", "any")
+    if only - set(known):
+        sys.exit(f"unknown evaluation {', '.join(sorted(only - set(known)))}; choose from {', '.join(known)}")
     for row in rows:
         if row not in ROWS:
             sys.exit(f"unknown row {row!r}; choose from {', '.join(ROWS)}")
@@ -646,7 +649,8 @@ def main():
     sub.add_parser("status")
     ev = sub.add_parser("evaluate")
     ev.add_argument("rows", nargs="+")
-    ev.add_argument("--only", default="", help="comma-separated: perplexity,perplexity-512,perplexity-full,lambada,lambada-full,niah,approx")
+    ev.add_argument("--only", default="", help="comma-separated evaluations: perplexity, perplexity-512, "
+                    "perplexity-full, lambada, lambada-full, niah, approx")
     paired = sub.add_parser("evaluate-paired", help="perplexity-full of several rows, window by window in turn")
     paired.add_argument("rows", nargs="+")
     sub.add_parser("report")

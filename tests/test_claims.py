@@ -221,3 +221,8 @@ def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_p
             np.testing.assert_allclose(resumed[key], uninterrupted[key], rtol=1e-6)
     summary = json.loads((tmp_path / "stopped" / "second" / "wikitext2-full.json").read_text())["results"][0]
     assert summary["tokens"] == len(ids) - len(whole["results"][0]["tokens"])
+
+
+def test_an_unknown_evaluation_name_is_refused_in_one_line(claims):
+    with pytest.raises(SystemExit, match="unknown evaluation perplexity-521; choose from perplexity, perplexity-512"):
+        claims.evaluate(["window-64"], {"perplexity-521"})
