@@ -112,9 +112,8 @@ def window_scores(model, windows, batch_size: int = 1, progress: bool = False, t
 
 def merge_scores(first: dict, then: dict) -> dict:
     """window_scores of some windows followed by window_scores of the next ones, as one."""
-    length = max(len(first.get("position_nll", [])), len(then["position_nll"]))
-    padded = {key: [np.pad(np.asarray(scores.get(key, []), float), (0, length - len(scores.get(key, []))))
-                    for scores in (first, then)]
+    length = max(len(first["position_nll"]), len(then["position_nll"]))
+    padded = {key: [np.pad(np.asarray(scores[key], float), (0, length - len(scores[key]))) for scores in (first, then)]
               for key in ("position_nll", "position_tokens")}
     return {"nll": first["nll"] + then["nll"], "tokens": first["tokens"] + then["tokens"],
             "position_nll": (padded["position_nll"][0] + padded["position_nll"][1]).tolist(),

@@ -595,13 +595,13 @@ def training_length_lines(metrics):
         return lines + ["Not yet measured: `python results/claims.py evaluate ROW --only perplexity-512`."]
     lines += ["| row | ppl, 512-token windows | ppl, 1,024-token windows | Δ against window-only at 512 | "
               "Δ at 1,024 (the same text) |", "|---|---|---|---|---|"]
+    whole_window = per_window("window-w56-s8")
     for row in rows:
         cut = common_windows(per_window(row, "wikitext2-512"), window)
         short = fmt_interval(paired_bootstrap(*cut), (len(cut[0]["nll"]), len(set(cut[0]["article"])), 128))
-        long = "—"
-        if per_window(row) and per_window("window-w56-s8"):
-            first = [{key: w[key][:64] for key in ("article", "nll", "tokens")}
-                     for w in (per_window(row), per_window("window-w56-s8"))]
+        long, whole_row = "—", per_window(row)
+        if whole_row and whole_window:  # the whole file's first 64 windows: the same text at 1,024
+            first = [{key: w[key][:64] for key in ("article", "nll", "tokens")} for w in (whole_row, whole_window)]
             long = fmt_interval(paired_bootstrap(*first), (64, len(set(first[0]["article"])), 64))
         lines.append(f"| {row} | {fmt(metrics[row]['ppl_512'])} | {fmt(metrics[row]['ppl'])} | {short} | {long} |")
     return lines

@@ -30,8 +30,6 @@ Readings take turns window by window and are saved after every window (results/d
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import math
 import os
 import sys
@@ -39,6 +37,9 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # run as a script or loaded by path: its sibling results/claims.py
+import claims  # noqa: E402  (rows, WikiText-2 settings, per-window files, bootstrap)
+
 ROOT = os.path.dirname(HERE)
 CELLS = os.path.join(HERE, "distant-context")
 REPORT = os.path.join(HERE, "distant-context.md")
@@ -52,23 +53,16 @@ READINGS = {"window-only": ("window-w56-s8", False), "window-only-swapped": ("wi
 BANDS = ((1, 63), (64, 127), (128, 255), (256, 511), (512, 1023))  # predicted token positions
 
 
-def claims_module():
-    """results/claims.py (its rows, WikiText-2 settings, per-window files and bootstrap)."""
-    spec = importlib.util.spec_from_file_location("linjax_claims", os.path.join(HERE, "claims.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def chosen_windows(windows, articles, stride: int = STRIDE):
     """[(index, donor index)]: every `stride`-th full window and a window half the file on that starts in
     another article (the next such one, wrapping around)."""
     length = len(windows[0])
     full = [i for i, w in enumerate(windows) if len(w) == length]
     pairs = []
-    for i in full[::stride]:
+    for n in range(0, len(full), stride):
+        i = full[n]
         for step in range(len(full)):
-            donor = full[(full.index(i) + len(full) // 2 + step) % len(full)]
+            donor = full[(n + len(full) // 2 + step) % len(full)]
             if articles[donor] != articles[i]:
                 pairs.append((i, donor))
                 break
@@ -92,10 +86,7 @@ def cell_path(reading: str) -> str:
 
 
 def read_cell(reading: str):
-    if not os.path.exists(cell_path(reading)):
-        return None
-    with open(cell_path(reading)) as f:
-        return json.load(f)
+    return claims._load(cell_path(reading))
 
 
 def run(stride: int = STRIDE) -> None:
@@ -103,7 +94,6 @@ def run(stride: int = STRIDE) -> None:
     from linjax.eval.perplexity import score_in_turn, text_windows, token_nll_function
     from linjax.files import write_json
 
-    claims = claims_module()
     with open(claims.WIKITEXT, encoding="utf-8") as f:
         text = f.read()
     models, readings, about = {}, {}, {}
@@ -134,7 +124,7 @@ def run(stride: int = STRIDE) -> None:
     score_in_turn(readings, save, progress=True)
 
 
-def position_lines(claims) -> list[str]:
+def position_lines() -> list[str]:
     """NLL per token by band of position, from the claims rows' whole-file per-position sums."""
     lines = ["## Loss by position", "",
              "WikiText-2's whole test file (`results/claims.py evaluate-paired`, every row on the same windows "
@@ -155,7 +145,7 @@ def position_lines(claims) -> list[str]:
     return lines
 
 
-def swap_lines(claims) -> list[str]:
+def swap_lines() -> list[str]:
     cells = {reading: read_cell(reading) for reading in READINGS}
     stride = next((c["stride"] for c in cells.values() if c), STRIDE)
     lines = ["## The distant-context swap", "",
@@ -194,12 +184,11 @@ def swap_lines(claims) -> list[str]:
 def report() -> None:
     from linjax.files import write_text
 
-    claims = claims_module()
     lines = ["# Does the linear state remember the distant text? (issue 38)", "",
              "Made by `python results/distant_context.py report`. The final recipe is "
              f"`results/runs/{FINAL}` (seed 1); window-only is sinks 8 + window 56 softmax with no state, "
              "untrained; the original is SmolLM2-135M with full attention.", "",
-             *position_lines(claims), "", *swap_lines(claims)]
+             *position_lines(), "", *swap_lines()]
     path = write_text(REPORT, "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
 
