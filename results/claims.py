@@ -67,7 +67,37 @@ ROWS = {
     "lolcats": "the LoLCATs peer: Hedgehog + window 64 under one normaliser; 1,000 attention-transfer steps "
                "(feature maps), then 1,000 CE steps (LoRA alone)",
     "liger-gla": "the Liger-GLA peer: GLA gated by the pooled key projection, 0.5 · linear + 0.5 · window 64, LoRA",
+    "gdn-gate-bias-3": "pure GDN at decay-gate bias 3 (the confound: the rows above use bias 1)",
+    "gla-gate-bias-3": "pure GLA at decay-gate bias 3",
+    "gdn-w56-s8-shortconv-1024": "the final recipe trained at 1,024 tokens (1,000 steps; the same tokens)",
+    "gdn-w56-s8-shortconv-conv-on-window": "the final recipe with the short conv on the window's q, k, v too",
+    "gdn-w56-s8-lora": "GDN + w56 + s8 + LoRA (in place of the short conv; the paper's LoRA rate 5e-4)",
+    **{f"gdn-w56-s8-shortconv-keep{count}-{by}": f"a hybrid: the final recipe with {count} of 30 layers full "
+       f"attention, {'the hardest by key concentration' if by == 'hardest' else 'spread uniformly'}"
+       for count in (3, 6) for by in ("hardest", "uniform")},
+    **{f"gdn-w56-s8-{tokens}": f"GDN + w56 + s8 trained {tokens} tokens (the scaling curve)"
+       for tokens in ("0.25M", "0.5M", "2M")},
 }
+# A row that varies another in named settings only: row -> (its base row, {"section.key": value}).
+# tests/test_claims.py checks each config against its base with these changes and nothing else.
+VARIANTS = {
+    "gdn-gate-bias-3": ("gdn", {"linearize.gate_bias": 3.0}),
+    "gla-gate-bias-3": ("gla", {"linearize.gate_bias": 3.0}),
+    "gdn-w56-s8-shortconv-1024": ("gdn-w56-s8-shortconv", {"train.steps": 1000, "train.seq_len": 1024,
+                                                           "train.warmup_steps": 50, "train.checkpoint_every": 50}),
+    "gdn-w56-s8-shortconv-conv-on-window": ("gdn-w56-s8-shortconv", {"linearize.conv_on_window": True}),
+    "gdn-w56-s8-lora": ("gdn-w56-s8", {"linearize.adapter": "lora", "train.lr": 5e-4}),
+    "gdn-w56-s8-shortconv-keep3-hardest": ("gdn-w56-s8-shortconv", {"linearize.keep_full_attention": [0, 5, 8]}),
+    "gdn-w56-s8-shortconv-keep3-uniform": ("gdn-w56-s8-shortconv", {"linearize.keep_full_attention": [5, 15, 25]}),
+    "gdn-w56-s8-shortconv-keep6-hardest": ("gdn-w56-s8-shortconv",
+                                           {"linearize.keep_full_attention": [0, 2, 3, 4, 5, 8]}),
+    "gdn-w56-s8-shortconv-keep6-uniform": ("gdn-w56-s8-shortconv",
+                                           {"linearize.keep_full_attention": [2, 7, 12, 17, 22, 27]}),
+    "gdn-w56-s8-0.25M": ("gdn-w56-s8", {"train.steps": 500}),
+    "gdn-w56-s8-0.5M": ("gdn-w56-s8", {"train.steps": 1000}),
+    "gdn-w56-s8-2M": ("gdn-w56-s8", {"train.steps": 4000}),
+}
+SCALING = ("gdn-w56-s8-0.25M", "gdn-w56-s8-0.5M", "gdn-w56-s8", "gdn-w56-s8-2M")  # 0.25, 0.5, 1, 2M tokens
 UNTRAINED = {"original": "smollm2-135m", "window-w56-s8": "configs/claims/window-w56-s8.toml",
              "window-64": "configs/claims/window-64.toml"}
 NIAH_TASKS, NIAH_LENGTHS, NIAH_SAMPLES = ("niah_single_1", "niah_single_2"), (1024, 2048), 10
@@ -398,6 +428,22 @@ CLAIMS = [
      "6-task average 71.34 vs 70.24, MMLU 59.17 vs 54.88 (Table 4, Llama-3.1-8B)", "gdn-w56-s8-shortconv", "lolcats"),
     ("the final recipe beats Liger-GLA (same 64-token cache)",
      "6-task average 71.34 vs 68.3, MMLU 59.17 vs 46.9 (Table 4, Llama-3.1-8B)", "gdn-w56-s8-shortconv", "liger-gla"),
+    ("GDN beats GLA without a window, both at gate bias 3", "—", "gdn-gate-bias-3", "gla-gate-bias-3"),
+    ("GDN at gate bias 3 beats GLA at bias 1 (each at its better bias in the 300-step ablation)", "—",
+     "gdn-gate-bias-3", "gla"),
+    ("training at the evaluation length (1,024) beats training at 512, the same tokens", "—",
+     "gdn-w56-s8-shortconv-1024", "gdn-w56-s8-shortconv"),
+    ("the short conv on both paths beats it on the linear path only", "—",
+     "gdn-w56-s8-shortconv-conv-on-window", "gdn-w56-s8-shortconv"),
+    ("short conv beats LoRA (GDN + w56 + s8)", "short conv above LoRA on most benchmarks (Table 3)",
+     "gdn-w56-s8-shortconv", "gdn-w56-s8-lora"),
+    ("keeping the 3 hardest layers as full attention beats 3 spread uniformly",
+     "at 10-20% of layers kept, the hardness selection gives higher LAMBADA accuracy (the paper's hybrid figure)",
+     "gdn-w56-s8-shortconv-keep3-hardest", "gdn-w56-s8-shortconv-keep3-uniform"),
+    ("keeping the 6 hardest layers as full attention beats 6 spread uniformly", "as above",
+     "gdn-w56-s8-shortconv-keep6-hardest", "gdn-w56-s8-shortconv-keep6-uniform"),
+    ("more tokens help: 2M beat 1M (GDN + w56 + s8; 3.1 epochs of the stream against 1.5)", "—",
+     "gdn-w56-s8-2M", "gdn-w56-s8"),
 ]
 
 
@@ -556,6 +602,7 @@ def report():
                  f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | {early} |")
     lines += gap_lines(windows)
     lines += training_length_lines(metrics)
+    lines += scaling_lines(metrics, data)
     lines += ablation_lines()
     path = write_text(os.path.join(HERE, "claims.md"), "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
@@ -604,6 +651,50 @@ def training_length_lines(metrics):
             first = [{key: w[key][:64] for key in ("article", "nll", "tokens")} for w in (whole_row, whole_window)]
             long = fmt_interval(paired_bootstrap(*first), (64, len(set(first[0]["article"])), 64))
         lines.append(f"| {row} | {fmt(metrics[row]['ppl_512'])} | {fmt(metrics[row]['ppl'])} | {short} | {long} |")
+    return lines
+
+
+SCALING_PLOT = os.path.join(HERE, "claims-scaling.png")
+
+
+def scaling_lines(metrics, data):
+    """claims.md's scaling curve: GDN + w56 + s8 (the best windowed row) trained on 0.25, 0.5, 1 and 2M tokens,
+    each with its own cosine schedule, with the epochs each is of the training stream; a plot of WikiText-2
+    perplexity against tokens once two points are measured (results/claims-scaling.png)."""
+    lines = ["", "## More tokens: the scaling curve of GDN + w56 + s8", "",
+             "The same row trained 500, 1,000, 2,000 and 4,000 steps x 512 tokens, each with its own cosine "
+             "schedule over its steps (100 warm-up steps each), so a shorter run is not a checkpoint of a longer one. "
+             "Epochs: of the training stream as read / of its unique tokens.", "",
+             "| row | tokens trained | epochs | WikiText-2 ppl (64 windows) | whole file | LAMBADA acc |",
+             "|---|---|---|---|---|---|"]
+    points = []
+    for row in SCALING:
+        train = config_of(row)["train"]
+        steps = train["steps"]
+        tokens = steps * train["seq_len"] * train.get("batch_size", 1)
+        epochs = "—" if not data else f"{tokens / data['tokens_per_epoch']:.2f} / {tokens / data['unique_tokens']:.2f}"
+        done, finished = training_state(row)
+        trained = f"{tokens / 1e6:.2f}M" + ("" if finished else f" (at step {done:,} of {steps:,})")
+        m = metrics[row]
+        lines.append(f"| {row} | {trained} | {epochs} | {fmt(m['ppl'])} | {fmt(m['ppl_whole_file'])} | "
+                     f"{fmt(m['lambada_acc'], 1)} |")
+        if finished and m["ppl"] is not None:
+            points.append((tokens / 1e6, m["ppl"]))
+    window = metrics["window-w56-s8"]["ppl"]
+    if len(points) >= 2:
+        from linjax.files import pyplot, write_figure
+
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(*zip(*points), marker="o", label="GDN + w56 + s8, trained")
+        if window is not None:
+            ax.axhline(window, color="gray", linestyle="--", label="sinks 8 + window 56 alone")
+        ax.set(xscale="log", xlabel="training tokens (millions)", ylabel="WikiText-2 perplexity (64 windows)")
+        ax.legend()
+        write_figure(fig, SCALING_PLOT)
+        lines += ["", f"![WikiText-2 perplexity against training tokens]({os.path.basename(SCALING_PLOT)})"]
+    else:
+        lines += ["", f"{len(points)} of {len(SCALING)} points measured; the plot is drawn from two."]
     return lines
 
 

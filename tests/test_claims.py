@@ -89,12 +89,13 @@ def test_the_training_length_section_compares_the_same_text_at_both_lengths(clai
     assert "Not yet measured" in claims.training_length_lines(metrics)[-1]
 
 
-def test_the_report_of_the_committed_rows(claims, monkeypatch):
+def test_the_report_of_the_committed_rows(claims, monkeypatch, tmp_path):
     """`report` on the committed rows (written to a string here, not to claims.md): every claim of two
     evaluated rows has its earlier verdict and an interval verdict (a claim on a row not yet evaluated,
     such as a peer's, is pending), and the header states the facts the issue found missing."""
     written = {}
     monkeypatch.setattr(claims, "write_text", lambda path, text: written.setdefault("text", text) and path)
+    monkeypatch.setattr(claims, "SCALING_PLOT", str(tmp_path / "scaling.png"))
     claims.report()
     text = written["text"]
     assert "10M tokens (2,500 steps x 4,096)" in text and "20M" not in text
@@ -226,3 +227,35 @@ def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_p
 def test_an_unknown_evaluation_name_is_refused_in_one_line(claims):
     with pytest.raises(SystemExit, match="unknown evaluation perplexity-521; choose from perplexity, perplexity-512"):
         claims.evaluate(["window-64"], {"perplexity-521"})
+
+
+def test_each_variant_row_is_its_base_with_the_named_changes_only(claims):
+    """The confound and lever rows (claims.VARIANTS): each config is its base row's with exactly the named
+    settings changed, its own run_dir, and the row listed in ROWS; every variant's base is a row too."""
+    for row, (base, changes) in claims.VARIANTS.items():
+        assert row in claims.ROWS and base in claims.ROWS, row
+        expected = claims.config_of(base)
+        expected["run_dir"] = f"results/runs/{row}"
+        for name, value in changes.items():
+            section, key = name.split(".")
+            assert expected[section].get(key) != value, f"{row}: {name} is already {value!r} in {base}"
+            expected[section][key] = value
+        assert claims.config_of(row) == expected, row
+
+
+def test_the_scaling_section_lists_every_point_and_plots_from_two(claims, monkeypatch, tmp_path):
+    """The scaling curve's table lists its four rows with tokens and epochs; a row still training says
+    at which step; the plot is drawn once two finished rows have a perplexity, and not before."""
+    data = {"tokens_per_epoch": 655_000, "unique_tokens": 470_000}
+    metrics = {row: {"ppl": None, "ppl_whole_file": None, "lambada_acc": None} for row in claims.ROWS}
+    monkeypatch.setattr(claims, "SCALING_PLOT", str(tmp_path / "scaling.png"))
+    state = {"gdn-w56-s8-0.25M": (500, True), "gdn-w56-s8-0.5M": (1000, True), "gdn-w56-s8": (2000, True),
+             "gdn-w56-s8-2M": (1234, False)}
+    monkeypatch.setattr(claims, "training_state", lambda row: state[row])
+    metrics["gdn-w56-s8"]["ppl"] = 35.5
+    lines = claims.scaling_lines(metrics, data)
+    assert "| gdn-w56-s8-2M | 2.05M (at step 1,234 of 4,000) | 3.13 / 4.36 |" in "\n".join(lines)
+    assert "1 of 4 points measured" in lines[-1] and not (tmp_path / "scaling.png").exists()
+    metrics["gdn-w56-s8-0.25M"]["ppl"] = 39.0
+    lines = claims.scaling_lines(metrics, data)
+    assert (tmp_path / "scaling.png").stat().st_size > 0 and "scaling.png" in lines[-1]
