@@ -77,6 +77,7 @@ ROWS = {
        for count in (3, 6) for by in ("hardest", "uniform")},
     **{f"gdn-w56-s8-{tokens}": f"GDN + w56 + s8 trained {tokens} tokens (the scaling curve)"
        for tokens in ("0.25M", "0.5M", "2M")},
+    "gdn-w56-s8-dedup": "GDN + w56 + s8 on the training text with each distinct document once",
 }
 # A row that varies another in named settings only: row -> (its base row, {"section.key": value}).
 # tests/test_claims.py checks each config against its base with these changes and nothing else.
@@ -96,6 +97,7 @@ VARIANTS = {
     "gdn-w56-s8-0.25M": ("gdn-w56-s8", {"train.steps": 500}),
     "gdn-w56-s8-0.5M": ("gdn-w56-s8", {"train.steps": 1000}),
     "gdn-w56-s8-2M": ("gdn-w56-s8", {"train.steps": 4000}),
+    "gdn-w56-s8-dedup": ("gdn-w56-s8", {"data.deduplicate": True}),
 }
 SCALING = ("gdn-w56-s8-0.25M", "gdn-w56-s8-0.5M", "gdn-w56-s8", "gdn-w56-s8-2M")  # 0.25, 0.5, 1, 2M tokens
 UNTRAINED = {"original": "smollm2-135m", "window-w56-s8": "configs/claims/window-w56-s8.toml",
@@ -442,6 +444,8 @@ CLAIMS = [
      "gdn-w56-s8-shortconv-keep3-hardest", "gdn-w56-s8-shortconv-keep3-uniform"),
     ("keeping the 6 hardest layers as full attention beats 6 spread uniformly", "as above",
      "gdn-w56-s8-shortconv-keep6-hardest", "gdn-w56-s8-shortconv-keep6-uniform"),
+    ("training on each distinct document once beats the text with its repeats (GDN + w56 + s8)", "—",
+     "gdn-w56-s8-dedup", "gdn-w56-s8"),
     ("more tokens help: 2M beat 1M (GDN + w56 + s8; 3.1 epochs of the stream against 1.5)", "—",
      "gdn-w56-s8-2M", "gdn-w56-s8"),
 ]
@@ -482,7 +486,9 @@ def training_columns(row, data):
         parts.append("not started" if not steps else
                      f"{steps:,}" + ("" if finished else f" of {planned_steps(stage):,} (training)"))
     seeds = " then ".join(dict.fromkeys(str(seed) for *_, seed in stages(row)))
-    epochs = "—" if not data else f"{tokens / data['tokens_per_epoch']:.2f} / {tokens / data['unique_tokens']:.2f}"
+    # a deduplicated row reads each distinct document once: its epoch is the unique tokens
+    per_epoch = data and data["unique_tokens" if config_of(row)["data"].get("deduplicate") else "tokens_per_epoch"]
+    epochs = "—" if not data else f"{tokens / per_epoch:.2f} / {tokens / data['unique_tokens']:.2f}"
     return " + ".join(parts), seeds, f"{tokens / 1e6:.2f}M", epochs
 
 
