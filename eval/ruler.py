@@ -70,7 +70,7 @@ def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> 
 
 
 def budget_variants(model, budgets, sinks: int, window_only: bool = False, retain: int = 0,
-                    retain_score: str = "recall") -> dict:
+                    retain_score: str = "recall", retain_block: int = 1) -> dict:
     """{label: model} to evaluate: the model itself (no budgets), or one variant per cache budget b
     (sinks + window + retain = b): a linearized model re-read at that budget (`with_budget`; `retain`
     tokens kept for their content, scored by `retain_score`: docs/retention.md), or, with
@@ -100,9 +100,13 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False, retai
         return {f"window only, budget {b} (sinks {sinks}, window {b - sinks})":
                 linjax.linearize(model, linjax.LinearizeConfig(mechanism="window", sinks=sinks, window=b - sinks))
                 for b in budgets}
+    if retain_block > 1 and not retain:
+        raise ValueError("--retain-block chooses retained tokens a block at a time: it needs --retain")
     if retain:
-        return {f"budget {b} (sinks {sinks}, window {b - sinks - retain}, retained {retain} by {retain_score})":
-                with_budget(model, sinks=sinks, window=b - sinks - retain, retain=retain, retain_score=retain_score)
+        blocks = f", in blocks of {retain_block}" if retain_block > 1 else ""
+        return {f"budget {b} (sinks {sinks}, window {b - sinks - retain}, retained {retain} by {retain_score}{blocks})":
+                with_budget(model, sinks=sinks, window=b - sinks - retain, retain=retain, retain_score=retain_score,
+                            retain_block=retain_block)
                 for b in budgets}
     return {f"budget {b} (sinks {sinks}, window {b - sinks})":
             with_budget(model, sinks=sinks, window=b - sinks, retain=0) for b in budgets}
@@ -110,7 +114,7 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False, retai
 
 def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None, sinks: int = 8,
         window_only: bool = False, haystack: str | None = None, seed: int = 0, progress: bool = True,
-        retain: int = 0, retain_score: str = "recall") -> dict:
+        retain: int = 0, retain_score: str = "recall", retain_block: int = 1) -> dict:
     """RULER accuracy per task × length (× cache budget); writes `out` (+ .md) after every cell."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -119,10 +123,10 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
     if tokenizer is None:
         raise ValueError(f"{model_spec} has no tokenizer; RULER needs one")
     generator = Generator(tokenizer, haystack)
-    variants = budget_variants(model, budgets, sinks, window_only, retain, retain_score)
+    variants = budget_variants(model, budgets, sinks, window_only, retain, retain_score, retain_block)
     settings = {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "budgets": list(budgets or []),
                 "sinks": sinks, "window_only": window_only, "seed": seed, "retain": retain,
-                "retain_score": retain_score,
+                "retain_score": retain_score, **({"retain_block": retain_block} if retain_block > 1 else {}),
                 "haystack": os.path.abspath(generator.haystack_path) if generator.haystack_path else None}
     results, details = [], []
     for task in tasks:

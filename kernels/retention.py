@@ -18,6 +18,8 @@ Pure functions, one kv head's slots independent of another's:
 
     empty(batch, retain, entries) -> RetainedCache        entries: one token's arrays [B, Hkv or H, ...]
     admit(cache, candidate, score, position, valid) -> (cache, written, written_valid)
+    select(cache, candidates, score, position, valid) -> (cache, written, written_valid)
+                                                          C tokens at once (`retain_block`)
     attend(q, cache, scale) -> SoftmaxParts               the retained keys' share of the softmax
     merge(a, b) -> SoftmaxParts                           two parts over disjoint keys as one
     key_norm(k) -> scores                                 ‖k‖ of the pretrained key
@@ -124,6 +126,47 @@ def admit(cache: RetainedCache, candidate: tuple, score, position, valid):
         _put_slot(cache.score, slot, score, admitted),
         _put_slot(cache.position, slot, jnp.broadcast_to(position, score.shape), admitted))
     return new, written, written_valid
+
+
+def _gather_slots(arrays, index):
+    """arrays [B, N, heads, ...], index [B, M, Hkv] (per kv head) -> [B, M, heads, ...]."""
+    heads = arrays.shape[2]
+    index = jnp.repeat(index, heads // index.shape[2], axis=2)
+    return jnp.take_along_axis(arrays, index.reshape(index.shape + (1,) * (arrays.ndim - 3)), axis=1)
+
+
+def select(cache: RetainedCache, candidates: tuple, score, position, valid):
+    """C tokens leaving the window at once (a block boundary, `retain_block` = C), per kv head: the R
+    held tokens and the C candidates compete, the R best are kept (higher score first, among equal
+    scores the older token, empty or invalid never before a token), and the C others are written.
+
+    candidates: entries [B, C, heads, ...] in `cache.entries` order; score [B, C, Hkv] (the held
+    tokens' scores are `cache.score`: re-score them first, as `admit`'s caller does); position [B, C]
+    or [B, C, Hkv]; valid [B, C, Hkv] bool (False: no token, or a sink). Returns (cache after, the
+    written entries [B, C, heads, ...] in position order with the non-tokens last, written_valid
+    [B, C, Hkv]).
+    """
+    held = cache.position >= 0
+    pool_valid = jnp.concatenate([held, valid], axis=1)  # [B, R + C, Hkv]
+    pool_score = jnp.where(pool_valid, jnp.concatenate([cache.score, score.astype(jnp.float32)], axis=1),
+                           -jnp.inf)
+    position = jnp.broadcast_to(position.reshape(position.shape[:2] + (-1,)), valid.shape).astype(jnp.int32)
+    pool_position = jnp.concatenate([cache.position, position], axis=1)
+    # rank: tokens first, then by score (high first), then by position (old first)
+    order = jnp.lexsort((pool_position, -pool_score, ~pool_valid), axis=1)
+    R = cache.retain
+    kept, rest = order[:, :R], order[:, R:]
+    take = lambda a, index: jnp.take_along_axis(a, index, axis=1)
+    # the written ones in position order, non-tokens last
+    rest_valid, rest_position = take(pool_valid, rest), take(pool_position, rest)
+    rest = take(rest, jnp.lexsort((rest_position, ~rest_valid), axis=1))
+    pool = tuple(jnp.concatenate([held_slots, c.astype(held_slots.dtype)], axis=1)
+                 for held_slots, c in zip(cache.entries, candidates))
+    kept_valid = take(pool_valid, kept)
+    new = RetainedCache(tuple(_gather_slots(a, kept) for a in pool),
+                        jnp.where(kept_valid, take(pool_score, kept), -jnp.inf),
+                        jnp.where(kept_valid, take(pool_position, kept), -1))
+    return new, tuple(_gather_slots(a, rest) for a in pool), take(pool_valid, rest)
 
 
 def attend(q, k, v, position, *, scale=None) -> SoftmaxParts:

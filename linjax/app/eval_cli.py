@@ -109,7 +109,8 @@ def _ruler(args):
     result = ruler.run(args.model, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                        out=args.out, budgets=args.budgets or None, sinks=args.sinks,
                        window_only=args.window_only, haystack=args.haystack,
-                       seed=args.seed, retain=args.retain, retain_score=args.retain_score)
+                       seed=args.seed, retain=args.retain, retain_score=args.retain_score,
+                       retain_block=args.retain_block)
     print("\n" + result["table_markdown"] + f"\n→ {args.out}")
 
 
@@ -186,6 +187,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--retain", type=non_negative_int, default=0,
                    help="tokens kept for their content within each budget (sinks + window + retain = budget; "
                         "docs/retention.md)")
+    p.add_argument("--retain-block", type=positive_int, default=1,
+                   help="with --retain: choose the retained tokens a block of this many at a time (block-aligned "
+                        "window; 1, the default: token by token)")
     p.add_argument("--retain-score", choices=list(RETAIN_SCORES), default="recall",
                    help="what a token leaving the window is scored by (default: recall)")
     p.add_argument("--haystack", help="haystack text for niah_single_2/3, multikey, multivalue and multiquery "

@@ -24,6 +24,12 @@ their content: I_t = sinks ∪ window ∪ R_t, and the linear kernel gets, at ea
 that lost (or never won) a retained slot in place of the token leaving the window. Which tokens
 are retained depends on the state, so all three modes run `retaining_step` token by token (the
 mixer scans it over a prompt; sequential, exact).
+
+With `retain_block` = C > 1 tokens leave in blocks of C instead (`leaving_block`, `block_attend`):
+the window is block-aligned, so every query of block j (positions jC .. jC + C − 1) sees the
+positions from (j + 1)·C − w on, between w − C + 1 and w of them, and at each block boundary the C
+tokens that fall out compete with the retained ones at once (retention.select). The cache holds at
+most s + w + R tokens, as with token-by-token selection, and the mixer scans blocks instead of tokens.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class SinksWindow(nnx.Module):
     """The sinks + window part of a mixer: settings, three-mode dispatch and decode cache. No parameters."""
 
     def __init__(self, *, sinks: int, window: int, chunk: int | None = None, use_pallas: bool = False,
-                 retain: int = 0, retain_score: str = "recall"):
+                 retain: int = 0, retain_score: str = "recall", retain_block: int = 1):
         if sinks < 0 or window < 0:
             raise ValueError(f"window and sinks must be ≥ 0, got window={window}, sinks={sinks}")
         if sinks and not window:
@@ -69,8 +75,11 @@ class SinksWindow(nnx.Module):
                              f"leave it); got window={window}")
         if retain_score not in retention.SCORES:
             raise ValueError(f"unknown retain_score {retain_score!r}; choose one of {list(retention.SCORES)}")
+        if retain_block < 1 or (retain_block > 1 and not (retain and retain_block <= window)):
+            raise ValueError(f"retain_block={retain_block} must be ≥ 1, and > 1 needs retain > 0 and a window of at "
+                             f"least that many tokens (got retain={retain}, window={window})")
         self.sinks, self.window = sinks, window
-        self.retain, self.retain_score = retain, retain_score
+        self.retain, self.retain_score, self.retain_block = retain, retain_score, retain_block
         self.chunk = chunk  # the softmax kernel's query block; None: swa.CHUNK
         self.use_pallas = use_pallas
 
@@ -78,15 +87,17 @@ class SinksWindow(nnx.Module):
     def from_settings(cls, settings) -> "SinksWindow":
         """From a LinearizeConfig."""
         return cls(sinks=settings.sinks, window=settings.window, chunk=settings.chunk,
-                   use_pallas=settings.uses_pallas(), retain=settings.retain, retain_score=settings.retain_score)
+                   use_pallas=settings.uses_pallas(), retain=settings.retain, retain_score=settings.retain_score,
+                   retain_block=settings.retain_block)
 
     def with_budget(self, *, sinks: int, window: int, retain: int | None = None,
-                    retain_score: str | None = None) -> "SinksWindow":
-        """A new SinksWindow with another cache budget (retained slots and their score unchanged unless
-        given) and the same kernels."""
+                    retain_score: str | None = None, retain_block: int | None = None) -> "SinksWindow":
+        """A new SinksWindow with another cache budget (retained slots, their score and block unchanged
+        unless given) and the same kernels."""
         return SinksWindow(sinks=sinks, window=window, chunk=self.chunk, use_pallas=self.use_pallas,
                            retain=self.retain if retain is None else retain,
-                           retain_score=self.retain_score if retain_score is None else retain_score)
+                           retain_score=self.retain_score if retain_score is None else retain_score,
+                           retain_block=self.retain_block if retain_block is None else retain_block)
 
     def empty_cache(self, batch: int, kv_heads: int, head_dim: int, dtype=jnp.float32,
                     linear_inputs: tuple | None = None, stays: tuple = ()) -> SinksWindowCache | None:
@@ -192,3 +203,51 @@ class SinksWindow(nnx.Module):
                                                             retained.position))
         parts = jax.tree.map(lambda a: a[:, None], parts)
         return parts, tuple(written), SinksWindowCache(softmax, rings, retained)
+
+    def leaving_block(self, cache: SinksWindowCache):
+        """At a block boundary (cache.length L a multiple of `retain_block` C): the C tokens that leave the
+        block-aligned window now, positions L − w .. L − w + C − 1, read from the rings. Returns (their
+        softmax k, v [B, C, Hkv, D]; their linear inputs (k', v', *gates) [B, C, ...]; positions [C];
+        valid [C]: a token that is not a sink). Before the sequence starts the rings hold zeros."""
+        position = cache.length - self.window + jnp.arange(self.retain_block)
+        take = lambda ring: jnp.take(ring, position % self.window, axis=1)
+        softmax = (take(cache.softmax.ring_k), take(cache.softmax.ring_v))
+        return softmax, tuple(map(take, cache.linear_inputs)), position, position >= max(self.sinks, 0)
+
+    def block_attend(self, q, k, v, *, linear_inputs: tuple, cache: SinksWindowCache):
+        """n ≤ C new tokens (positions L .. L + n − 1, all in one block of `retain_block` C) after `cache`:
+        the softmax over sinks ∪ retained ∪ the block-aligned window, and the cache after them (rings,
+        sinks and length; the retained slots change only at a boundary, in the mixer). q, k, v
+        [B, n, H(kv), D]: the pretrained projections after RoPE; linear_inputs [B, n, ...] go into the rings.
+        Returns (SoftmaxParts [B, n, H, ...], cache after)."""
+        B, n, H, Dk = q.shape
+        Hkv, L, W = k.shape[2], cache.length, self.window
+        scale = Dk ** -0.5
+        f32 = lambda x: x.astype(jnp.float32)
+        qg = f32(q).reshape(B, n, Hkv, H // Hkv, Dk)
+        t = L + jnp.arange(n)  # the queries' positions
+        first = (L // self.retain_block + 1) * self.retain_block - W  # the window's first position in this block
+        ring_position = L - W + (jnp.arange(W) - (L - W)) % W  # slot r holds the position ≡ r (mod W) in [L − W, L)
+        ring_seen = (ring_position >= first) & (ring_position >= self.sinks) & (ring_position >= 0)
+        softmax = swa.update_cache(cache.softmax, k, v)  # the sink slots now hold any sinks among these tokens
+        einsum = lambda spec, a, b: jnp.einsum(spec, a, f32(b))
+        blocks = [
+            (scale * einsum("bnkgd,bskd->bkgns", qg, softmax.sink_k),
+             jnp.arange(self.sinks)[None, :] <= t[:, None],
+             lambda p: einsum("bkgns,bske->bkgne", p, softmax.sink_v)),
+            (scale * einsum("bnkgd,brkd->bkgnr", qg, cache.softmax.ring_k),
+             jnp.broadcast_to(ring_seen, (n, W)),
+             lambda p: einsum("bkgnr,brke->bkgne", p, cache.softmax.ring_v)),
+            (scale * einsum("bnkgd,bmkd->bkgnm", qg, k),
+             (t[None, :] <= t[:, None]) & (t[None, :] >= self.sinks),
+             lambda p: einsum("bkgnm,bmke->bkgne", p, v)),
+        ]
+        retained = cache.retained
+        held = jnp.moveaxis(retained.position >= 0, 1, 2)[:, :, None, None, :]  # [B, Hkv, 1, 1, R]
+        blocks.append((scale * einsum("bnkgd,brkd->bkgnr", qg, retained.entries[0]), held,
+                       lambda p: einsum("bkgnr,brke->bkgne", p, retained.entries[1])))
+        numerator, row_max, row_sum = swa._combine(blocks)
+        to_tokens = lambda x: jnp.moveaxis(x.reshape((B, H, n) + x.shape[4:]), 1, 2)  # [B,Hkv,G,n,..] -> [B,n,H,..]
+        parts = SoftmaxParts(to_tokens(numerator), to_tokens(row_max), to_tokens(row_sum))
+        rings = tuple(swa.write_ring(ring, x, L) for ring, x in zip(cache.linear_inputs, linear_inputs))
+        return parts, SinksWindowCache(softmax, rings, retained)

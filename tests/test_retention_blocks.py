@@ -1,0 +1,187 @@
+"""Retained tokens chosen a block at a time (`retain_block` = C > 1; SinksWindow.leaving_block and
+block_attend, retention.select, LinearMixer._call_retaining_blocks).
+
+The partition (every past token in exactly one of sinks, block-aligned window, retained slots, state)
+and the layer's output are checked token by token against a brute-force NumPy simulation; then any
+split of a sequence (training, prefill pieces, decode) gives the same outputs, gradients flow, and bad
+settings are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import linjax
+from kernels import retention
+from linjax.config import tiny_config
+from linjax.model import CausalLM
+
+SINKS, WINDOW, RETAIN = 2, 4, 3
+
+
+@pytest.fixture(scope="module")
+def base():
+    return CausalLM(tiny_config("llama", num_hidden_layers=1), rngs=nnx.Rngs(0))
+
+
+def settings(**changes):
+    return linjax.LinearizeConfig(**{"mechanism": "gdn", "window": WINDOW, "sinks": SINKS, "adapter": None,
+                                     "retain": RETAIN, **changes})
+
+
+def simulate(inputs, *, sinks, window, retain, block, score, scale):
+    """The layer with a block of `block` tokens leaving the window at each boundary, in Python sets and a
+    float64 delta rule. Returns (y [T, H, Dv], retained positions per step and kv head), asserting the
+    partition at every step."""
+    q, k, v, lq, lk, lv, log_alpha, beta = (np.asarray(a, np.float64)[0] for a in inputs)
+    T, H, Dk = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    S = np.zeros((H, lk.shape[-1], lv.shape[-1]))
+    held = [[] for _ in range(Hkv)]  # (score, position) per kv head
+    in_state = [set() for _ in range(Hkv)]
+    gate = lambda p: log_alpha[p] if p >= 0 else 0.0  # before the sequence: no decay
+    ys, history = np.zeros((T, H, v.shape[-1])), []
+    for t in range(T):
+        if t % block == 0:  # a boundary: positions t − w .. t − w + C − 1 leave
+            leaving = range(t - window, t - window + block)
+            total = sum(gate(p) for p in leaving)
+            decayed = S * np.exp(total)[..., None]
+            written = []
+            for g in range(Hkv):
+                recall = lambda j: np.mean([np.linalg.norm(lv[j, g] - lk[j, g] @ decayed[h])
+                                            / max(np.linalg.norm(lv[j, g]), 1e-6) for h in range(g * G, (g + 1) * G)])
+                rate = (lambda j: np.linalg.norm(k[j, g])) if score == "key_norm" else recall
+                pool = [(s if score == "key_norm" else rate(j), j) for s, j in held[g]]
+                pool += [(rate(p), p) for p in leaving if p >= sinks]
+                pool.sort(key=lambda e: (-e[0], e[1]))  # higher score first, then the older
+                held[g] = pool[:retain]
+                written.append(sorted(p for _, p in pool[retain:]))
+                in_state[g] |= set(written[g])
+            for i, p in enumerate(leaving):  # one step per leaving token: its decay, a written token's content
+                for h in range(H):
+                    g = h // G
+                    S[h] = S[h] * (np.exp(log_alpha[p, h])[..., None] if p >= 0 else 1.0)
+                    if i < len(written[g]):
+                        j = written[g][i]
+                        S[h] += beta[j, h] * np.outer(lk[j, g], lv[j, g] - lk[j, g] @ S[h])
+        history.append([sorted(p for _, p in held[g]) for g in range(Hkv)])
+        first = (t // block + 1) * block - window
+        for g in range(Hkv):
+            sink_set = set(range(min(sinks, t + 1)))
+            window_set = set(range(max(sinks, first, 0), t + 1))
+            retained_set = {p for _, p in held[g]}
+            places = [sink_set, window_set, retained_set, in_state[g]]
+            assert sum(len(p) for p in places) == t + 1 and set().union(*places) == set(range(t + 1)), t
+            attended = sorted(sink_set | window_set | retained_set)
+            for h in range(g * G, (g + 1) * G):
+                logits = k[attended, g] @ q[t, h] / np.sqrt(Dk)
+                p = np.exp(logits - logits.max())
+                ys[t, h] = p @ v[attended, g] / p.sum() + scale * lq[t, h] @ S[h]
+    return ys, history
+
+
+@pytest.mark.parametrize("block,score", [(2, "recall"), (4, "recall"), (2, "key_norm")])
+def test_every_token_is_in_one_place_and_the_layer_matches_a_brute_force_simulation(base, block, score):
+    model = linjax.linearize(base, settings(retain_block=block, retain_score=score), seed=1)
+    mixer = model.layers[0].attn
+    T = 22
+    x = jax.random.normal(jax.random.key(3), (1, T, base.config.hidden_size))
+    positions = jnp.arange(T)[None]
+    q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
+    lq, lk = mixer.features(q, k)
+    log_alpha, beta = mixer.gates(x, lk)
+    expected, history = simulate((q, k, v, lq, lk, v, log_alpha, beta), sinks=SINKS, window=WINDOW,
+                                 retain=RETAIN, block=block, score=score, scale=mixer.scale)
+    assert any(len(h[0]) == RETAIN for h in history) and history[-1][0] != history[-1][1]  # slots fill, heads differ
+    graphdef, params = nnx.split(mixer)
+    step = jax.jit(lambda params, x, positions, state: nnx.merge(graphdef, params)(x, positions, state))
+    state = mixer.init_state(1, T)
+    for t in range(T):
+        out, state = step(params, x[:, t:t + 1], positions[:, t:t + 1], state)
+        held = np.asarray(state.window.retained.position[0])  # [R, Hkv]
+        assert [sorted(p for p in held[:, g] if p >= 0) for g in range(held.shape[1])] == history[t], t
+        want = mixer.proj.out(jnp.asarray(expected[t][None, None], jnp.float32), mixer.lora)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=1e-4)
+    whole = mixer(x[:, :20], positions[:, :20])  # training: blocks scanned, no cache
+    np.testing.assert_allclose(np.asarray(whole[0]), np.asarray(mixer.proj.out(
+        jnp.asarray(expected[:20], jnp.float32)[None], mixer.lora))[0], atol=2e-5, rtol=1e-4)
+
+
+def test_select_keeps_the_best_and_writes_the_rest_in_position_order():
+    one = jnp.zeros((1, 1, 2))
+    cache = retention.empty(1, 2, 1, (one,))
+    tag = lambda positions: jnp.asarray(positions, jnp.float32)[None, :, None, None] * jnp.ones((1, 1, 1, 2))
+    cache, written, valid = retention.select(cache, (tag([4, 5, 6]),), jnp.array([[[1.0], [3.0], [1.0]]]),
+                                             jnp.array([[4, 5, 6]]), jnp.array([[[True], [True], [True]]]))
+    assert sorted(np.asarray(cache.position[0, :, 0]).tolist()) == [4, 5]  # ties: the older one stays
+    assert np.asarray(written[0][0, :, 0, 0]).tolist() == [6, 0, 0] and np.asarray(valid[0, :, 0]).tolist() == [
+        True, False, False]  # the empty slots come back as non-tokens, last
+    cache = cache._replace(score=jnp.array([[[1.0], [3.0]]]) if int(cache.position[0, 0, 0]) == 4 else
+                           jnp.array([[[3.0], [1.0]]]))
+    cache, written, valid = retention.select(cache, (tag([7, 8, 9]),), jnp.array([[[2.0], [0.5], [9.0]]]),
+                                             jnp.array([[7, 8, 9]]), jnp.array([[[True], [False], [True]]]))
+    assert sorted(np.asarray(cache.position[0, :, 0]).tolist()) == [5, 9]
+    assert np.asarray(written[0][0, :, 0, 0]).tolist()[:2] == [4, 7] and np.asarray(valid[0, :, 0]).tolist() == [
+        True, True, False]  # the invalid candidate (8) is never kept nor written
+
+
+@pytest.mark.parametrize("mechanism", ["gdn", "gla", "hedgehog"])
+def test_any_split_of_a_sequence_gives_the_same_outputs(base, mechanism):
+    """Training (no cache), decode token by token, and prefill pieces that start inside a block or at a
+    boundary, in any sizes: one model, one set of outputs."""
+    model = linjax.linearize(base, settings(mechanism=mechanism, retain_block=4, adapter="shortconv"), seed=2)
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda params, tokens, states: nnx.merge(graphdef, params)(tokens, states=states))
+    tokens = jax.random.randint(jax.random.key(4), (2, 27), 0, base.config.vocab_size)
+    states, one_by_one = model.init_states(2, 27), []
+    for t in range(27):
+        logits, states = forward(params, tokens[:, t:t + 1], states)
+        one_by_one.append(logits)
+    one_by_one = np.concatenate(one_by_one, axis=1)
+    states, pieces = model.init_states(2, 27), []
+    for start, end in [(0, 8), (8, 11), (11, 19), (19, 27)]:  # 8 at a boundary, 3, then 8 inside a block
+        logits, states = forward(params, tokens[:, start:end], states)
+        pieces.append(logits)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), one_by_one, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model(tokens[:, :24])), one_by_one[:, :24], atol=1e-5)
+
+
+def test_training_with_retained_blocks_has_finite_gradients_for_the_new_parameters(base):
+    from linjax.layers import Trainable
+
+    model = linjax.linearize(base, settings(retain_block=2, adapter="shortconv"), seed=3)
+    graphdef, trainable, rest = nnx.split(model, Trainable, ...)
+    tokens = jax.random.randint(jax.random.key(5), (1, 16), 0, base.config.vocab_size)
+
+    def loss(trainable):
+        logits = nnx.merge(graphdef, trainable, rest)(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    grads = jax.tree.leaves(jax.grad(loss)(trainable))
+    assert grads and all(bool(jnp.isfinite(g).all()) for g in grads)
+    assert any(float(jnp.abs(g).max()) > 0 for g in grads)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"retain_block": 0}, "retain_block"), ({"retain_block": 2, "retain": 0}, "retain > 0"),
+    ({"retain_block": WINDOW + 1}, "window ≥ retain_block"), ({"retain_block": 2.0}, "integer")])
+def test_bad_retain_block_settings_are_refused(changes, match):
+    with pytest.raises(ValueError, match=match):
+        settings(**changes)
+
+
+def test_ruler_reads_a_model_with_retained_blocks_and_the_export_refuses_it_in_one_line(base, tmp_path):
+    from eval.ruler import budget_variants
+    from linjax.convert.export import export_hf
+
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8), seed=0)
+    (label, variant), = budget_variants(model, [128], 8, retain=64, retain_block=8).items()
+    assert label == "budget 128 (sinks 8, window 56, retained 64 by recall, in blocks of 8)"
+    assert variant.linearize_config.retain_block == 8 and variant.layers[0].attn.sinks_window.retain_block == 8
+    with pytest.raises(ValueError, match="needs --retain"):
+        budget_variants(model, [128], 8, retain_block=8)
+    with pytest.raises(ValueError, match="no PyTorch mirror yet"):
+        export_hf(variant, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
