@@ -1,7 +1,9 @@
 """Issue 37's retention grid: S-NIAH with retained tokens against the same cache budget without them.
 
     python results/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
-    python results/retention.py perplexity [--windows N]            # WikiText-2 with retention on and off
+    python results/retention.py perplexity [--windows N]            BLOCKS = {"final-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
+
+# WikiText-2 with retention on and off
     python results/retention.py report                             # results/retention.md from the cells written
 
 The grid: S-NIAH 1, 2 and 3 (RULER's niah_single_1/2/3) at 1,024, 2,048 and 4,096 tokens, 20 samples
@@ -10,6 +12,8 @@ per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv 
     final-recall   the final recipe (results/runs/gdn-w56-s8-shortconv, no further training) read as
                    sinks 8 + window 56 + 64 (or 192) tokens retained by LoLA's self-recall error (the default)
     final-keynorm  the same, retained by key norm
+    final-recall-block8  the same as final-recall, chosen 8 tokens at a time (`retain_block` 8: a block-aligned
+                   window, the form that trains and prefills by blocks)
     final          the same run without retention at the same total budget: sinks 8 + window 120 (or 248)
     window-only    SmolLM2-135M as sinks 8 + window 120 (or 248) softmax, no linear state
     original       SmolLM2-135M with full attention (one cell per task and length: it has no budget)
@@ -59,10 +63,14 @@ Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 VARIANTS = {
     "final-recall": ("final recipe + retained by recall (the default score)", TRAINED_RUN, "recall", False),
     "final-keynorm": ("final recipe + retained by key norm", TRAINED_RUN, "key_norm", False),
+    "final-recall-block8": ("final recipe + retained by recall, 8 at a time (block-aligned window)", TRAINED_RUN,
+                            "recall", False),
     "final": ("final recipe, no retention (window = budget − 8)", TRAINED_RUN, None, False),
     "window-only": ("window-only (sinks + window softmax, no state)", ORIGINAL, None, True),
     "original": ("original model (full attention)", ORIGINAL, None, False),
 }
+
+BLOCKS = {"final-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
 
 # WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
 PPL_WINDOWS = 64  # the claims rows' 64 windows of results/claims.py's SEQ_LEN tokens
@@ -105,6 +113,8 @@ class Cell:
             expected["sinks"] = SINKS
         if score:
             expected["retain_score"] = score
+        if self.variant in BLOCKS:
+            expected["retain_block"] = BLOCKS[self.variant]
         return expected
 
     def arguments(self) -> list[str]:
@@ -118,6 +128,8 @@ class Cell:
             args.append("--window-only")
         if score:
             args += ["--retain", str(self.retain), "--retain-score", score]
+        if self.variant in BLOCKS:
+            args += ["--retain-block", str(BLOCKS[self.variant])]
         return args + ["--out", os.path.relpath(self.path, ROOT)]
 
 
@@ -132,6 +144,7 @@ def grid() -> list[Cell]:
 
 def claim_cells() -> dict:
     return {"retention": Cell("final-recall", CLAIM_BUDGET, CLAIM_TASK, CLAIM_LENGTH),
+            "blocks": Cell("final-recall-block8", CLAIM_BUDGET, CLAIM_TASK, CLAIM_LENGTH),
             "key_norm": Cell("final-keynorm", CLAIM_BUDGET, CLAIM_TASK, CLAIM_LENGTH),
             "window-only": Cell("window-only", CLAIM_BUDGET, CLAIM_TASK, CLAIM_LENGTH)}
 
@@ -367,7 +380,8 @@ def report_text() -> str:
     if not compared:
         lines.append("| — | — | — | — | — | no cell ran with both scores yet |")
     cells = claim_cells()
-    retention, key_norm, window_only = (read_cell(cells[k]) for k in ("retention", "key_norm", "window-only"))
+    retention, key_norm, window_only, blocks = (read_cell(cells[k])
+                                                for k in ("retention", "key_norm", "window-only", "blocks"))
     verdict, reasons = claim_verdict(retention, window_only)
     lines += ["", "## The claim", "",
               f"Issue 37: \"S-NIAH-1 at {CLAIM_LENGTH:,} tokens with a {CLAIM_BUDGET}-token total cache ≥ "
@@ -376,6 +390,8 @@ def report_text() -> str:
               f"- retention by recall (sinks {SINKS} + window {WINDOW} + {RETAINED[CLAIM_BUDGET]}): "
               f"{cell_text(retention)}",
               f"- retention by key norm (not the default; for comparison): {cell_text(key_norm)}",
+              f"- retention by recall chosen {BLOCKS['final-recall-block8']} at a time (`retain_block`; the form "
+              f"that trains and prefills by blocks): {cell_text(blocks)}",
               f"- window-only (sinks {SINKS} + window {CLAIM_BUDGET - SINKS}): {cell_text(window_only)}",
               f"- **{verdict}**" + (f": {'; '.join(reasons)}" if reasons else "")]
     depths = correct_depths(cells["window-only"])
