@@ -87,10 +87,6 @@ def export_hf(model, directory: str, tokenizer=None) -> str:
     if getattr(model, "linearize_config", None) is None:
         raise ValueError("export_hf writes linearized models; a plain model exports as its own "
                          "architecture with linjax.save_hf")
-    if model.linearize_config.retain_block > 1:
-        raise ValueError(f"retain_block={model.linearize_config.retain_block} (retained tokens chosen a block at a "
-                         "time) has no PyTorch mirror yet; export the run with retain_block = 1 (its parameters "
-                         "are the same: linjax.linearize.with_budget(model, ..., retain_block=1))")
     directory = check_export_directory(directory)
     write_hf_directory(directory, export_config(model), export_tensors(model), tokenizer,
                        extra_files={os.path.basename(path): path for path in MODELING_FILES})

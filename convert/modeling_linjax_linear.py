@@ -39,6 +39,7 @@ from .modeling_linjax_retention import admit as admit_retained
 from .modeling_linjax_retention import attend as attend_retained
 from .modeling_linjax_retention import key_norm, recall_error
 from .modeling_linjax_retention import merge as merge_parts
+from .modeling_linjax_retention import select as select_retained
 
 KEY_GATE_FLOOR = 1e-6  # kGLA: 1 − β k² is floored here (kernels/kgla.py)
 LIGER_GATE_NORMALIZER = 16.0  # Liger-GLA's gate logit normaliser (linjax/mixers/gla.py)
@@ -58,6 +59,10 @@ class LinearAttention(Attention):
         self.form = "auto"  # which form of the recurrence runs: see modeling_linjax_kernels.resolve_form
         self.sinks, self.window = sinks_and_window(settings)
         self.retain, self.retain_score = int(settings.get("retain", 0)), settings.get("retain_score", "recall")
+        self.retain_block = int(settings.get("retain_block", 1))
+        if self.retain_block > 1 and not (self.retain and self.retain_block <= self.window):
+            raise ValueError(f"linearize.retain_block={self.retain_block} needs retain > 0 and a window of at least "
+                             f"that many tokens (got retain={self.retain}, window={self.window})")
         if self.retain and not self.window:
             raise ValueError(f"linearize.retain={self.retain} keeps tokens as they leave the window; it needs window ≥ 1")
         if self.retain_score not in RETAIN_SCORES:
@@ -122,6 +127,8 @@ class LinearAttention(Attention):
 
     def forward(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
         """x [B,T,d] at positions start .. start + T − 1; `cache` is read and advanced past them."""
+        if self.retain_block > 1:
+            return self.forward_retaining_blocks(x, position_ids, start, cache)
         if self.retain:
             return self.forward_retaining(x, position_ids, start, cache)
         softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
@@ -189,6 +196,74 @@ class LinearAttention(Attention):
         cache.recurrent = state
         parts = tuple(torch.stack(part, dim=1) for part in zip(*parts))
         return self.output(torch.cat(outputs, dim=1), parts, x.dtype)
+
+    def forward_retaining_blocks(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+        """`forward` with retained tokens chosen a block of C = `retain_block` at a time (linjax's
+        LinearMixer._call_retaining_blocks), one token at a time: at a position that is a multiple of C
+        the C tokens t − w .. t − w + C − 1 leave the block-aligned window together, compete with the
+        retained ones (`select`), and the losers are written into the state one per step with the leaving
+        tokens' decays; every query of the block then reads the same state and attends to the sinks, the
+        retained tokens and the positions from (t // C + 1)·C − w on."""
+        if cache is None:
+            cache = LinearLayerCache(self.sinks, self.window)
+        softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
+        W, C, H = self.window, self.retain_block, self.num_heads
+        # the pretrained k, v and the linear inputs of the window's tokens and these, oldest first
+        recent_kv = cache.window.latest(W, softmax_k[:, :1])
+        joined_kv = [torch.cat([old.to(new.dtype), new], dim=1) for old, new in zip(recent_kv, (softmax_k, softmax_v))]
+        q, k, v = self.features(q, k, v)
+        inputs = [k.float(), v.float(), *self.gates(x)]
+        history = cache.shifted or [a.new_zeros((a.shape[0], W) + tuple(a.shape[2:])) for a in inputs]
+        joined = [torch.cat([old, new], dim=1) for old, new in zip(history, inputs)]
+        cache.shifted = [a[:, -W:] for a in joined]
+        positions = token_positions(start, x.shape[1], x.device)
+        keys, values, key_positions = cache.window.extend(softmax_k, softmax_v, positions)
+        state = cache.recurrent
+        if state is None:
+            state = q.new_zeros(q.shape[0], H, q.shape[-1], inputs[1].shape[-1], dtype=torch.float32)
+        outputs, parts = [], []
+        for i, t in enumerate(positions.tolist()):
+            if t % C == 0:
+                leaving = slice(i, i + C)  # positions t − W .. t − W + C − 1 in the joined arrays
+                state = self.block_boundary(cache, [a[:, leaving] for a in joined_kv],
+                                            [a[:, leaving] for a in joined], state, t - W)
+            outputs.append(self.scale * torch.einsum("bhd,bhde->bhe", q[:, i].float(), state)[:, None])
+            first = (t // C + 1) * C - W
+            step = window_softmax_parts(softmax_q[:, i:i + 1], keys, values, positions[i:i + 1], key_positions,
+                                        self.sinks, t - first + 1)
+            parts.append(merge_parts(tuple(part[:, 0] for part in step), attend_retained(softmax_q[:, i],
+                                                                                         cache.retained)))
+        cache.recurrent = state
+        parts = tuple(torch.stack(part, dim=1) for part in zip(*parts))
+        return self.output(torch.cat(outputs, dim=1), parts, x.dtype)
+
+    def block_boundary(self, cache: LinearLayerCache, leaving_kv: list, leaving: list, state, first: int):
+        """The C tokens leaving at a block boundary (positions first .. first + C − 1; pretrained k, v and
+        linear inputs [B, C, ...]) against the retained slots; returns the state after the losers are
+        written, one per step with the leaving tokens' decays."""
+        C = leaving[0].shape[1]
+        decay = leaving[2] if len(leaving) > 2 else None
+        travelling = leaving[:2] + leaving[3:]
+        if cache.retained is None:
+            cache.retained = RetainedSlots(self.retain, [a[:, 0] for a in leaving_kv + travelling])
+        slots = cache.retained
+        if self.retain_score == "key_norm":
+            score = key_norm(leaving_kv[0])
+        else:  # against the state after the block's decay, the held tokens re-scored too
+            total = None if decay is None else decay.sum(dim=1)
+            recall = lambda k, v: recall_error(state, k, v, total, normalized=self.normalized)
+            score = recall(leaving[0], leaving[1])
+            slots.score = torch.where(slots.position >= 0, recall(slots.linear[0], slots.linear[1]), -torch.inf)
+        position = torch.arange(first, first + C, device=score.device)
+        valid = (position >= max(self.sinks, 0))[None, :, None].expand_as(score)
+        (k, v, *gates), written_valid = select_retained(slots, leaving_kv + travelling, score,
+                                                        position[None, :, None].expand_as(score), valid)
+        k = torch.where(written_valid[..., None], k, torch.zeros_like(k))
+        gates = ([decay] if decay is not None else []) + gates
+        H = self.num_heads
+        no_query = k.new_zeros(k.shape[0], C, H, k.shape[-1])
+        _, state = self.linear_kernel("recurrent", no_query, expand_kv(k, H), expand_kv(v, H), gates, self.scale, state)
+        return state
 
     def retain_step(self, cache: LinearLayerCache, leaving_kv: list, token: list, state, position: int) -> list:
         """Offers the token leaving the window at this step (pretrained k, v [B,Hkv,D], linear inputs

@@ -12,6 +12,7 @@ token at a time, as linjax's SinksWindow.retaining_step does; the slots live in 
     key_norm(k) -> scores                                    ‖k‖ of the pretrained key
     recall_error(state, k, v, log_decay, normalized) -> scores    LoLA's ‖v − Sᵀk‖ / ‖v‖, now
     admit(slots, candidate, score, position) -> (written, written_valid)
+    select(slots, candidates, score, position, valid) -> (written, written_valid)   C at once
     attend(q, slots) -> (numerator, row_max, row_sum)        the retained keys' share of the softmax
     merge(a, b) -> (numerator, row_max, row_sum)             two parts over disjoint keys as one
 
@@ -113,6 +114,38 @@ def admit(slots, candidate: list, score, position: int):
     slots.score = _put_slot(slots.score, slot, score, admitted)
     slots.position = _put_slot(slots.position, slot, torch.full_like(held_position, position), admitted)
     return written, written_valid
+
+
+def _gather_slots(x, index):
+    """x [B, N, heads, ...], index [B, M, Hkv] (per kv head) -> [B, M, heads, ...]."""
+    index = index.repeat_interleave(x.shape[2] // index.shape[2], dim=2)
+    return x.gather(1, _trailing(index, x).expand(*index.shape, *x.shape[3:]))
+
+
+def select(slots, candidates: list, score, position, valid):
+    """C tokens leaving the window at once (`linearize.retain_block` = C, linjax's retention.select), in
+    place, per kv head: the R held tokens (their scores already renewed) and the C candidates compete;
+    the R best stay (higher score first, then the older; non-tokens last) and the C others are returned
+    in position order, non-tokens last. candidates: entries [B, C, heads, ...] in `slots.entries()`
+    order; score, valid [B, C, Hkv]; position [B, C, Hkv]. Returns (the written linear entries
+    [B, C, heads, ...], written_valid [B, C, Hkv])."""
+    pool_valid = torch.cat([slots.position >= 0, valid], dim=1)
+    pool_score = torch.cat([slots.score, score.float()], dim=1).masked_fill(~pool_valid, -torch.inf)
+    pool_position = torch.cat([slots.position, position.long()], dim=1)
+    # three stable sorts, least significant key first: position, then score (high first), then tokens first
+    order = pool_position.argsort(dim=1, stable=True)
+    for key in (-pool_score, (~pool_valid).long()):
+        order = order.gather(1, key.gather(1, order).argsort(dim=1, stable=True))
+    R = slots.score.shape[1]
+    kept, rest = order[:, :R], order[:, R:]
+    rest_order = rest.gather(1, pool_position.gather(1, rest).argsort(dim=1, stable=True))
+    rest = rest_order.gather(1, (~pool_valid).long().gather(1, rest_order).argsort(dim=1, stable=True))
+    pool = [torch.cat([held, c.to(held.dtype)], dim=1) for held, c in zip(slots.entries(), candidates)]
+    kept_valid = pool_valid.gather(1, kept)
+    slots.set_entries([_gather_slots(x, kept) for x in pool])
+    slots.score = pool_score.gather(1, kept).masked_fill(~kept_valid, -torch.inf)
+    slots.position = pool_position.gather(1, kept).masked_fill(~kept_valid, -1)
+    return [_gather_slots(x, rest) for x in pool[2:]], pool_valid.gather(1, rest)
 
 
 def attend(q, slots):

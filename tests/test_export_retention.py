@@ -6,7 +6,8 @@ never import JAX) loads the exports and compares. The budget is sinks 2 + window
 40 tokens, so 34 tokens leave the window and most of them compete for 3 slots: tokens are admitted,
 evicted into the state and refused. The tiny models have 4 query heads on 2 kv heads (GQA).
 
-Checked per score ("recall" with the short conv, "key_norm" with LoRA merged into the projections):
+Checked per score ("recall" with the short conv, "key_norm" with LoRA merged into the projections;
+recall with the short conv on both paths, and chosen two tokens at a time, `retain_block` 2):
 the full forward against linjax, the same forward token by token with LinjaxCache and as a prefill
 then a chunk then single tokens (each equal to the full forward), greedy generation with the cache
 against recomputing the prefix at every step (so, by the parity, linjax's), and cache shapes that do not grow with the tokens seen. That the retained tokens
@@ -28,7 +29,8 @@ SEQUENCE = 40
 PROMPT, NEW_TOKENS = 30, 8
 # case -> (score, adapter, further settings)
 CASES = {"recall": ("recall", "shortconv", {}), "key_norm": ("key_norm", "lora", {}),
-         "recall-conv-on-window": ("recall", "shortconv", {"conv_on_window": True})}
+         "recall-conv-on-window": ("recall", "shortconv", {"conv_on_window": True}),
+         "recall-block2": ("recall", "shortconv", {"retain_block": 2})}
 
 
 def write_retention_cases(root: str):
@@ -67,7 +69,8 @@ for score in scores:
                                                  dtype=torch.float32).eval()
     data = np.load(os.path.join(root, score + ".npz"))
     tokens = torch.tensor(data["tokens"], dtype=torch.long)
-    result = {"config": {k: model.config.linearize[k] for k in ("retain", "retain_score", "conv_on_window")}}
+    result = {"config": {k: model.config.linearize[k] for k in ("retain", "retain_score", "conv_on_window",
+                                                                "retain_block")}}
     with torch.no_grad():
         full = model(tokens).logits
         result["max_abs"] = float(np.abs(full.numpy() - data["logits"]).max())
@@ -113,7 +116,8 @@ def test_export_with_retained_tokens_matches_linjax_without_jax(tmp_path):
     for score, (scored_by, _, extra) in CASES.items():
         result = results[score]
         assert result["config"] == {"retain": RETAIN, "retain_score": scored_by,
-                                    "conv_on_window": extra.get("conv_on_window", False)}
+                                    "conv_on_window": extra.get("conv_on_window", False),
+                                    "retain_block": extra.get("retain_block", 1)}
         assert float(np.load(os.path.join(root, score + ".npz"))["retain_changes"]) > 1e-2, \
             f"{score}: retain = 0 gives the same logits, so this case does not exercise the retained slots"
         assert result["max_abs"] <= TOLERANCE, f"{score}: max abs logit difference {result['max_abs']:.2e}"
