@@ -8,10 +8,12 @@ Evaluations decode many prompts of slightly different lengths (S-NIAH prompts
 are within 2% of a target). Every distinct prompt length, and every distinct
 KV-cache size, would be a new XLA compilation of the whole model; `prefill_chunk`
 and `cache_length` make the shapes fixed so one compilation serves them all:
-the prompt's first T mod chunk tokens go through prefills of descending powers of
-two (at most log2(chunk) calls, each shape compiled once), the rest through
-prefills of exactly `prefill_chunk` tokens. Splitting a prefill
-anywhere gives the same result as one pass (tested for every mixer).
+the prompt goes through prefills of exactly `prefill_chunk` tokens, then its
+last T mod chunk tokens through prefills of descending powers of two (at most
+log2(chunk) calls, each shape compiled once). Splitting a prefill anywhere gives
+the same result as one pass (tested for every mixer); the whole pieces come
+first so that they start at multiples of the chunk, where a mixer that works
+in blocks (retained tokens with `retain_block`) runs its block form.
 """
 
 from __future__ import annotations
@@ -103,11 +105,11 @@ def _prefill(forward, params, tokens, states, chunk: int | None):
     """The last position's logits and the states after `tokens`: one call, or fixed-shape pieces."""
     if chunk is None:
         return forward(params, tokens, states)
-    head = tokens.shape[1] % chunk
-    # The remainder first, as pieces of 2^k tokens (its binary digits): a handful of shapes that
-    # every prompt length shares, instead of an odd-length compilation or up to chunk − 1 steps.
-    pieces = [1 << bit for bit in reversed(range(head.bit_length())) if head >> bit & 1]
-    pieces += [chunk] * (tokens.shape[1] // chunk)
+    tail = tokens.shape[1] % chunk
+    # Whole pieces first, then the remainder as pieces of 2^k tokens (its binary digits): a handful of
+    # shapes that every prompt length shares, instead of an odd-length compilation or up to chunk − 1 steps.
+    pieces = [chunk] * (tokens.shape[1] // chunk)
+    pieces += [1 << bit for bit in reversed(range(tail.bit_length())) if tail >> bit & 1]
     logits, start = None, 0
     for size in pieces:
         logits, states = forward(params, tokens[:, start:start + size], states)
