@@ -78,6 +78,8 @@ ROWS = {
     **{f"gdn-w56-s8-{tokens}": f"GDN + w56 + s8 trained {tokens} tokens (the scaling curve)"
        for tokens in ("0.25M", "0.5M", "2M")},
     "gdn-w56-s8-dedup": "GDN + w56 + s8 on the training text with each distinct document once",
+    "gdn-w56-s8-shortconv-retain64": "the final recipe trained with 64 retained tokens chosen 8 at a time "
+                                     "(issue 37; a 128-token cache, results/retention.md)",
 }
 # A row that varies another in named settings only: row -> (its base row, {"section.key": value}).
 # tests/test_claims.py checks each config against its base with these changes and nothing else.
@@ -98,6 +100,7 @@ VARIANTS = {
     "gdn-w56-s8-0.5M": ("gdn-w56-s8", {"train.steps": 1000}),
     "gdn-w56-s8-2M": ("gdn-w56-s8", {"train.steps": 4000}),
     "gdn-w56-s8-dedup": ("gdn-w56-s8", {"data.deduplicate": True}),
+    "gdn-w56-s8-shortconv-retain64": ("gdn-w56-s8-shortconv", {"linearize.retain": 64, "linearize.retain_block": 8}),
 }
 SCALING = ("gdn-w56-s8-0.25M", "gdn-w56-s8-0.5M", "gdn-w56-s8", "gdn-w56-s8-2M")  # 0.25, 0.5, 1, 2M tokens
 UNTRAINED = {"original": "smollm2-135m", "window-w56-s8": "configs/claims/window-w56-s8.toml",
