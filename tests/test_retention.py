@@ -1,4 +1,4 @@
-"""Retained tokens (issue 37; kernels/retention.py, SinksWindow.retaining_step, LinearMixer._call_retaining).
+"""Retained tokens (issue 37; kernels/retention.py, SinksWindow.retaining_step, mixers/retaining.py by_tokens).
 
 The partition (every past token in exactly one of sinks, window, retained slots, state) is checked
 token by token against a brute-force NumPy simulation of the whole layer: its sets, its delta-rule
@@ -19,6 +19,7 @@ from linjax.config import tiny_config
 from linjax.convert.checkpoint import load_trained_parameters, save_trained
 from linjax.layers import Trainable
 from linjax.linearize import with_budget
+from linjax.mixers.retaining import by_tokens
 from linjax.model import CausalLM
 
 SINKS, WINDOW, RETAIN = 2, 3, 3
@@ -184,7 +185,7 @@ def test_retain_zero_is_the_final_recipe_as_before(base):
     positions = jnp.arange(16)[None]
     state = mixer.init_state(1, 16)
     chunked, _ = mixer(x, positions, state)
-    scanned, _ = mixer._call_retaining(x, positions, state, retain_nothing=True)
+    scanned, _ = by_tokens(mixer, x, positions, state, retain_nothing=True)
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(chunked), atol=1e-5)
 
 
