@@ -1,7 +1,7 @@
 """Issue 37's retention grid: S-NIAH with retained tokens against the same cache budget without them.
 
     python results/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
-    python results/retention.py perplexity [--windows N]            BLOCKS = {"final-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
+    python results/retention.py perplexity [--windows N]            BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
 
 # WikiText-2 with retention on and off
     python results/retention.py report                             # results/retention.md from the cells written
@@ -14,6 +14,8 @@ per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv 
     final-keynorm  the same, retained by key norm
     final-recall-block8  the same as final-recall, chosen 8 tokens at a time (`retain_block` 8: a block-aligned
                    window, the form that trains and prefills by blocks)
+    trained-recall-block8  results/runs/gdn-w56-s8-shortconv-retain64, the final recipe trained with 64 retained
+                   tokens in blocks of 8 (configs/claims/), read the same way; its cells wait for the run
     final          the same run without retention at the same total budget: sinks 8 + window 120 (or 248)
     window-only    SmolLM2-135M as sinks 8 + window 120 (or 248) softmax, no linear state
     original       SmolLM2-135M with full attention (one cell per task and length: it has no budget)
@@ -51,6 +53,7 @@ CELLS = os.path.join(HERE, "retention")
 REPORT = os.path.join(HERE, "retention.md")
 
 TRAINED_RUN = "results/runs/gdn-w56-s8-shortconv"  # the final recipe, seed 1 (results/claims.md)
+RETAIN_TRAINED_RUN = "results/runs/gdn-w56-s8-shortconv-retain64"  # trained with retain 64, retain_block 8
 ORIGINAL = "smollm2-135m"
 TASKS = {"niah1": "niah_single_1", "niah2": "niah_single_2", "niah3": "niah_single_3"}
 LENGTHS = (1024, 2048, 4096)
@@ -65,12 +68,14 @@ VARIANTS = {
     "final-keynorm": ("final recipe + retained by key norm", TRAINED_RUN, "key_norm", False),
     "final-recall-block8": ("final recipe + retained by recall, 8 at a time (block-aligned window)", TRAINED_RUN,
                             "recall", False),
+    "trained-recall-block8": ("final recipe trained with 64 retained in blocks of 8, read so", RETAIN_TRAINED_RUN,
+                              "recall", False),
     "final": ("final recipe, no retention (window = budget − 8)", TRAINED_RUN, None, False),
     "window-only": ("window-only (sinks + window softmax, no state)", ORIGINAL, None, True),
     "original": ("original model (full attention)", ORIGINAL, None, False),
 }
 
-BLOCKS = {"final-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
+BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
 
 # WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
 PPL_WINDOWS = 64  # the claims rows' 64 windows of results/claims.py's SEQ_LEN tokens
@@ -159,6 +164,11 @@ def run(only: str | None = None, dry_run: bool = False) -> list[Cell]:
     if only and not any(fnmatch.fnmatchcase(c.name, only) for c in grid()):
         sys.exit(f"--only {only!r} matches no cell; cell names look like final-recall-128-niah1-2048 "
                  "or original-full-niah3-4096")
+    untrained = [c for c in todo if not model_ready(VARIANTS[c.variant][1])]
+    if untrained:
+        print(f"skipping {len(untrained)} cells whose run is not trained yet: "
+              + ", ".join(sorted({VARIANTS[c.variant][1] for c in untrained})))
+        todo = [c for c in todo if c not in untrained]
     linjax = os.path.join(os.path.dirname(sys.executable), "linjax")  # the installed command
     for i, cell in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {cell.name}: linjax eval {' '.join(cell.arguments())}", flush=True)
@@ -168,6 +178,11 @@ def run(only: str | None = None, dry_run: bool = False) -> list[Cell]:
     if not todo:
         print("every matching cell is already written")
     return todo
+
+
+def model_ready(model: str) -> bool:
+    """A run directory is ready once training has finished (its linjax.json exists); a named model always is."""
+    return not model.startswith("results/runs/") or os.path.exists(os.path.join(ROOT, model, "linjax.json"))
 
 
 def claims_module():

@@ -50,8 +50,8 @@ def test_wilson_interval_known_values(grid):
 def test_the_grid_holds_the_issues_cells_and_the_leads_file_names(grid):
     cells = grid.grid()
     names = [c.name for c in cells]
-    # 3 tasks x 3 lengths x (4 budgeted variants x 2 budgets + the original once)
-    assert len(names) == len(set(names)) == 81
+    # 3 tasks x 3 lengths x (6 budgeted variants x 2 budgets + the original once)
+    assert len(names) == len(set(names)) == 117
     assert {"final-recall-128-niah1-2048", "window-only-128-niah1-2048", "final-128-niah1-2048",
             "final-keynorm-128-niah1-2048", "original-full-niah3-4096", "final-recall-256-niah2-1024"} <= set(names)
     assert names[:2] == ["final-recall-128-niah1-2048", "window-only-128-niah1-2048"]  # the claim first
@@ -77,13 +77,16 @@ def test_each_cells_command_is_a_valid_ruler_call_with_the_cells_settings(grid, 
     assert expected["retain"] == retain and expected["budgets"] == budget
 
 
-def test_run_skips_written_cells_and_filters_by_pattern(grid, capsys):
+def test_run_skips_written_cells_and_filters_by_pattern(grid, capsys, monkeypatch):
+    monkeypatch.setattr(grid, "model_ready", lambda model: model != grid.RETAIN_TRAINED_RUN)  # as before it trains
     write_cell(grid, "final-recall-128-niah1-2048", 17)
     todo = grid.run(only="*-128-niah1-2048", dry_run=True)
     assert [c.name for c in todo] == ["window-only-128-niah1-2048", "final-keynorm-128-niah1-2048",
-                                      "final-128-niah1-2048"]
-    assert "--window-only" in capsys.readouterr().out
-    assert len(grid.run(dry_run=True)) == 80
+                                      "final-recall-block8-128-niah1-2048", "final-128-niah1-2048"]
+    out = capsys.readouterr().out
+    assert "--window-only" in out and "--retain-block 8" in out
+    assert "skipping 1 cells whose run is not trained yet" in out  # the trained-with-retention run's cells wait
+    assert len(grid.run(dry_run=True)) == 116 - 18
     with pytest.raises(SystemExit, match="matches no cell"):
         grid.run(only="final-recall-512-*", dry_run=True)
 
@@ -111,14 +114,14 @@ def test_the_claim_does_not_hold_below_0_8_or_with_window_only_above_0(grid):
 
 def test_missing_or_mismatched_cells_are_not_run_and_leave_the_claim_undecided(grid):
     text = grid.report_text()
-    assert "- **undecided (not run)**" in text and "0 of 81 cells written" in text
+    assert "- **undecided (not run)**" in text and "0 of 117 cells written" in text
     assert "| niah_single_1 | 2,048 | not run | not run | not run | not run | not run |" in text
 
     write_cell(grid, "final-recall-128-niah1-2048", 10, count=10, samples=10)  # another run's settings
     write_cell(grid, "window-only-128-niah1-2048", 0)
     text = grid.report_text()
     assert "not the grid's settings: samples 10 (the grid: 20); 10 samples scored (the grid: 20)" in text
-    assert "- **undecided (not run)**: retention cell not run" in text and "1 of 81 cells written" in text
+    assert "- **undecided (not run)**: retention cell not run" in text and "1 of 117 cells written" in text
 
 
 def test_which_score_is_better_needs_non_overlapping_intervals(grid):
@@ -145,10 +148,12 @@ def test_report_writes_the_markdown_file(grid):
 def test_run_calls_linjax_eval_ruler_once_per_missing_cell(grid, monkeypatch):
     calls = []
     monkeypatch.setattr(grid.subprocess, "run", lambda command, **kwargs: calls.append((command, kwargs)))
+    monkeypatch.setattr(grid, "model_ready", lambda model: model != grid.RETAIN_TRAINED_RUN)
     write_cell(grid, "final-recall-128-niah1-2048", 14)
     grid.run(only="*-128-niah1-2048")
     assert [command[command.index("--out") + 1].rsplit("/", 1)[-1] for command, _ in calls] == [
-        "window-only-128-niah1-2048.json", "final-keynorm-128-niah1-2048.json", "final-128-niah1-2048.json"]
+        "window-only-128-niah1-2048.json", "final-keynorm-128-niah1-2048.json", "final-recall-block8-128-niah1-2048.json",
+        "final-128-niah1-2048.json"]
     command, kwargs = calls[0]
     assert os.path.basename(command[0]) == "linjax" and command[1:3] == ["eval", "ruler"]
     assert kwargs == {"cwd": grid.ROOT, "check": True}  # a failed cell stops the run
