@@ -14,20 +14,13 @@ from flax import nnx
 
 import linjax
 from kernels import retention
-from linjax.config import tiny_config
-from linjax.model import CausalLM
+from tests.test_retention import RETAIN, SINKS, base, gdn_settings  # noqa: F401 (base: the fixture)
 
-SINKS, WINDOW, RETAIN = 2, 4, 3
-
-
-@pytest.fixture(scope="module")
-def base():
-    return CausalLM(tiny_config("llama", num_hidden_layers=1), rngs=nnx.Rngs(0))
+WINDOW = 4  # one more than test_retention's, so a block of 4 fits
 
 
 def settings(**changes):
-    return linjax.LinearizeConfig(**{"mechanism": "gdn", "window": WINDOW, "sinks": SINKS, "adapter": None,
-                                     "retain": RETAIN, **changes})
+    return gdn_settings(**{"window": WINDOW, "retain": RETAIN, **changes})
 
 
 def simulate(inputs, *, sinks, window, retain, block, score, scale):

@@ -1,6 +1,6 @@
 """Retained tokens in a linear mixer (issue 37; docs/retention.md): the mixer's forward when
 `retain` > 0, token by token (`by_tokens`) or a block of `retain_block` tokens at a time
-(`by_blocks`). Functions of a LinearMixer (`self`): its projections, features, gates and kernel
+(`by_blocks`). Functions of a LinearMixer (`mixer`): its projections, features, gates and kernel
 are used as they are; only the order in which tokens reach the state and the softmax changes.
 """
 
@@ -15,18 +15,18 @@ from linjax.kernels import retention
 from linjax.mixers.states import LinearState
 
 
-def by_tokens(self, x, positions, state: LinearState | None, retain_nothing: bool = False):
+def by_tokens(mixer, x, positions, state: LinearState | None, retain_nothing: bool = False):
     """The mixer with retained tokens: every mode (training, prefill, decode) is a `lax.scan` of one
     decode step over the tokens, so a prefill then decode equals decoding the prompt token by token
     by construction. Sequential in T (the retained set depends on the state); projections, short
     conv, features and gates still run over the whole block. `retain_nothing`: the same scan with
     no retained slots (the window's decode step, token by token), for tests."""
-    q, k, v = self.proj.qkv(x, positions, self.lora)
-    softmax_qkv, (q, k, v), conv_state = self._window_and_linear_qkv(q, k, v, state)
-    q, k = self.features(q, k)
-    linear_inputs = (k, v) + tuple(self.gates(x, k))
-    stays = self._stays(linear_inputs)
-    start = self.init_state(x.shape[0], 0, x.dtype) if state is None else state
+    q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
+    softmax_qkv, (q, k, v), conv_state = mixer._window_and_linear_qkv(q, k, v, state)
+    q, k = mixer.features(q, k)
+    linear_inputs = (k, v) + tuple(mixer.gates(x, k))
+    stays = mixer._stays(linear_inputs)
+    start = mixer.init_state(x.shape[0], 0, x.dtype) if state is None else state
     window = start.window._replace(retained=None) if retain_nothing else start.window
 
     def one_token(carry, token):
@@ -34,11 +34,11 @@ def by_tokens(self, x, positions, state: LinearState | None, retain_nothing: boo
         sq, sk, sv, lq, *lin = (a[:, None] for a in token)
 
         def recall(keys, values, decay):
-            return retention.recall_error(linear, keys, values, decay, normalized=self.normalized)
+            return retention.recall_error(linear, keys, values, decay, normalized=mixer.normalized)
 
-        parts, (lk, lv, *lgates), window = self.sinks_window.retaining_step(
+        parts, (lk, lv, *lgates), window = mixer.sinks_window.retaining_step(
             sq, sk, sv, linear_inputs=tuple(lin), cache=window, recall=recall, stays=stays)
-        out, linear, normaliser = self._run_kernel(lq, lk, lv, lgates, LinearState(linear, None, None, None))
+        out, linear, normaliser = mixer._run_kernel(lq, lk, lv, lgates, LinearState(linear, None, None, None))
         first = lambda a: a[:, 0]  # the step's own time axis of one
         return (linear, window), jax.tree.map(first, (out, normaliser, parts))
 
@@ -46,8 +46,8 @@ def by_tokens(self, x, positions, state: LinearState | None, retain_nothing: boo
     tokens = tuple(map(time_first, softmax_qkv + (q,) + linear_inputs))
     (linear_state, window_state), per_token = jax.lax.scan(one_token, (start.linear, window), tokens)
     lin_out, normaliser, parts = jax.tree.map(time_first, per_token)
-    y = self._combine(*self._apply_gain(lin_out, normaliser), parts)
-    out = self.proj.out(y.astype(x.dtype), self.lora)
+    y = mixer._combine(*mixer._apply_gain(lin_out, normaliser), parts)
+    out = mixer.proj.out(y.astype(x.dtype), mixer.lora)
     if state is None:
         return out
     if retain_nothing:
@@ -55,24 +55,24 @@ def by_tokens(self, x, positions, state: LinearState | None, retain_nothing: boo
     return out, LinearState(linear_state, state.length + x.shape[1], conv_state, window_state)
 
 
-def by_blocks(self, x, positions, state: LinearState | None):
+def by_blocks(mixer, x, positions, state: LinearState | None):
     """The mixer with retained tokens chosen a block of `retain_block` C tokens at a time
     (SinksWindow's docstring): a `lax.scan` over blocks of C when the tokens start at a block
     boundary and fill whole blocks (training, and prefill pieces of a multiple of C), else over single
     tokens (decode, odd pieces); both run the same `_block_piece`, so any split of a sequence
     gives the same outputs. Within a block the state does not change; at each boundary it takes the
     tokens that lost (or never won) a slot."""
-    C = self.sinks_window.retain_block
-    q, k, v = self.proj.qkv(x, positions, self.lora)
-    softmax_qkv, (q, k, v), conv_state = self._window_and_linear_qkv(q, k, v, state)
-    q, k = self.features(q, k)
-    inputs = softmax_qkv + (q, k, v) + tuple(self.gates(x, k))
-    start = self.init_state(x.shape[0], 0, x.dtype) if state is None else state
+    C = mixer.sinks_window.retain_block
+    q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
+    softmax_qkv, (q, k, v), conv_state = mixer._window_and_linear_qkv(q, k, v, state)
+    q, k = mixer.features(q, k)
+    inputs = softmax_qkv + (q, k, v) + tuple(mixer.gates(x, k))
+    start = mixer.init_state(x.shape[0], 0, x.dtype) if state is None else state
     T = x.shape[1]
 
     def scan_pieces(size):
         pieces = tuple(jnp.moveaxis(a.reshape((a.shape[0], T // size, size) + a.shape[2:]), 1, 0) for a in inputs)
-        carry, out = jax.lax.scan(functools.partial(_block_piece, self), (start.linear, start.window), pieces)
+        carry, out = jax.lax.scan(functools.partial(_block_piece, mixer), (start.linear, start.window), pieces)
         # [pieces, B, size, ...] -> [B, T, ...]
         return carry, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((a.shape[1], T) + a.shape[3:]), out)
 
@@ -84,44 +84,44 @@ def by_blocks(self, x, positions, state: LinearState | None):
         carry, per_token = jax.lax.cond(start.window.length % C == 0, lambda: scan_pieces(C),
                                         lambda: scan_pieces(1))
     (linear_state, window_state), (lin_out, normaliser, parts) = carry, per_token
-    y = self._combine(*self._apply_gain(lin_out, normaliser), parts)
-    out = self.proj.out(y.astype(x.dtype), self.lora)
+    y = mixer._combine(*mixer._apply_gain(lin_out, normaliser), parts)
+    out = mixer.proj.out(y.astype(x.dtype), mixer.lora)
     if state is None:
         return out
     return out, LinearState(linear_state, state.length + T, conv_state, window_state)
 
 
-def _block_piece(self, carry, piece):
+def _block_piece(mixer, carry, piece):
     """n tokens within one block (`by_blocks`): first, at a block boundary, the C tokens
     leaving the window are scored with the retained ones and the losers written into the state; then
     the softmax over sinks ∪ retained ∪ block-aligned window and the state's readout."""
     linear, window = carry
     sq, sk, sv, lq, *lin = piece
-    linear, window = jax.lax.cond(window.length % self.sinks_window.retain_block == 0, functools.partial(_block_boundary, self),
+    linear, window = jax.lax.cond(window.length % mixer.sinks_window.retain_block == 0, functools.partial(_block_boundary, mixer),
                                   lambda linear, window: (linear, window), linear, window)
-    parts, window = self.sinks_window.block_attend(sq, sk, sv, linear_inputs=tuple(lin), cache=window)
+    parts, window = mixer.sinks_window.block_attend(sq, sk, sv, linear_inputs=tuple(lin), cache=window)
     # the readout q·S of a state that does not change within the block: the kernel with nothing to write
     nothing = [jnp.zeros_like(a) for a in lin]
-    out, _, normaliser = self._run_kernel(lq, nothing[0], nothing[1], nothing[2:],
+    out, _, normaliser = mixer._run_kernel(lq, nothing[0], nothing[1], nothing[2:],
                                           LinearState(linear, None, None, None))
     return (linear, window), (out, normaliser, parts)
 
 
-def _block_boundary(self, linear, window):
+def _block_boundary(mixer, linear, window):
     """The C tokens leaving the window and the R retained ones compete for the R slots (scored against
     the state they would enter: the current one after the block's decay); the C others are written into
     the state in position order, one per step with the leaving tokens' decays, so the state decays as
     without retention and only what it stores changes."""
-    (leaving_k, leaving_v), leaving, position, valid = self.sinks_window.leaving_block(window)
-    stays = self._stays(leaving)
+    (leaving_k, leaving_v), leaving, position, valid = mixer.sinks_window.leaving_block(window)
+    stays = mixer._stays(leaving)
     decay = leaving[stays[0]] if stays else None
     retained = window.retained
-    if self.sinks_window.retain_score == "key_norm":
+    if mixer.sinks_window.retain_score == "key_norm":
         score = retention.key_norm(leaving_k)
     else:
         total = None if decay is None else decay.sum(axis=1)
         recall = lambda keys, values: retention.recall_error(linear, keys, values, total,
-                                                             normalized=self.normalized)
+                                                             normalized=mixer.normalized)
         score = recall(leaving[0], leaving[1])
         retained = retained._replace(score=jnp.where(retained.position >= 0,
                                                      recall(retained.entries[2], retained.entries[3]), -jnp.inf))
@@ -132,6 +132,6 @@ def _block_boundary(self, linear, window):
     entry = iter(written[2:])
     inputs = [x if i in stays else next(entry) for i, x in enumerate(leaving)]
     inputs[0] = jnp.where(written_valid[..., None], inputs[0], jnp.zeros((), inputs[0].dtype))
-    no_query = jnp.zeros(inputs[0].shape[:2] + (self.proj.num_heads, inputs[0].shape[-1]), inputs[0].dtype)
-    _, linear, _ = self._run_kernel(no_query, inputs[0], inputs[1], inputs[2:], LinearState(linear, None, None, None))
+    no_query = jnp.zeros(inputs[0].shape[:2] + (mixer.proj.num_heads, inputs[0].shape[-1]), inputs[0].dtype)
+    _, linear, _ = mixer._run_kernel(no_query, inputs[0], inputs[1], inputs[2:], LinearState(linear, None, None, None))
     return linear, window._replace(retained=retained)
