@@ -19,6 +19,7 @@ Softmax part (GQA as in contract.py: query head h reads kv head h // (H // Hkv))
     leaving_window(rings, length, *, sinks) -> linear inputs of the token leaving the window (decode)
     empty_cache(batch, kv_heads, key_dim, value_dim, *, sinks, window, dtype) -> WindowCache
     update_cache(cache, k, v) -> WindowCache
+    softmax_blocks([(scores, mask, weigh_values), ...]) -> (numerator, row_max, row_sum)   # disjoint key blocks
 
 The decode state after a prefill is `prefill(q, k, v, empty_cache(...))[1]`
 (or `update_cache(empty_cache(...), k, v)` when the prefill ran `chunked`).
@@ -99,8 +100,10 @@ def _check_budget(sinks, window):
                          f"got sinks={sinks}, window={window}")
 
 
-def _combine(scores_and_values):
-    """SoftmaxParts from several (scores [..., q, j], mask, values-einsum) blocks sharing one row max."""
+def softmax_blocks(scores_and_values):
+    """One softmax over several disjoint key blocks, as (numerator, row_max, row_sum) sharing one row max.
+    Each block: (scores [..., q, j], mask, a function of the probabilities giving their values-weighted sum).
+    The dense spec, the ring-buffer decode and the retained-token blocks (linjax.mixers.sinks_window) use it."""
     scores_and_values = [block for block in scores_and_values if block[0].shape[-1] > 0]  # e.g. no sinks
     masked = [jnp.where(mask, s, _MASKED) for s, mask, _ in scores_and_values]
     row_max = jnp.max(jnp.stack([m.max(axis=-1) for m in masked]), axis=0)
@@ -126,7 +129,7 @@ def reference(q, k, v, *, sinks, window, scale=None):
     t = jnp.arange(T)[:, None]
     j = jnp.arange(T)[None, :]
     mask = (j <= t) & ((j < sinks) | (t - j < window))
-    numerator, row_max, row_sum = _combine(
+    numerator, row_max, row_sum = softmax_blocks(
         [(scores, mask, lambda p: jnp.einsum("bkgtj,bjke->bkgte", p, v.astype(jnp.float32)))])
     heads_last = lambda x: jnp.moveaxis(x.reshape(B, H, T, *x.shape[4:]), 1, 2)  # [B,Hkv,G,T,..] -> [B,T,H,..]
     return SoftmaxParts(heads_last(numerator), heads_last(row_max), heads_last(row_sum))
@@ -239,7 +242,7 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None):
         qb, kb, vb, in_window, sink_seen = x
         window_scores = scale * jnp.einsum("bqkgd,bjkd->bkgqj", qb, kb)
         sink_scores = scale * jnp.einsum("bqkgd,bskd->bkgqs", qb, sink_k)
-        return _combine([
+        return softmax_blocks([
             (window_scores, in_window[None, None, None], lambda p: jnp.einsum("bkgqj,bjke->bkgqe", p, vb)),
             (sink_scores, sink_seen[None, None, None], lambda p: jnp.einsum("bkgqs,bske->bkgqe", p, sink_v)),
         ])
@@ -275,7 +278,7 @@ def step(q, k, v, cache, *, scale=None):
     f32 = lambda x: x.astype(jnp.float32)
     ring_scores = scale * jnp.einsum("bkgd,brkd->bkgr", qg, f32(cache.ring_k))
     sink_scores = scale * jnp.einsum("bkgd,bskd->bkgs", qg, f32(cache.sink_k))
-    numerator, row_max, row_sum = _combine([
+    numerator, row_max, row_sum = softmax_blocks([
         (ring_scores, ring_pos >= S, lambda p: jnp.einsum("bkgr,brke->bkge", p, f32(cache.ring_v))),
         (sink_scores, jnp.arange(S) <= t, lambda p: jnp.einsum("bkgs,bske->bkge", p, f32(cache.sink_v))),
     ])

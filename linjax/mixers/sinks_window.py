@@ -246,7 +246,7 @@ class SinksWindow(nnx.Module):
         held = jnp.moveaxis(retained.position >= 0, 1, 2)[:, :, None, None, :]  # [B, Hkv, 1, 1, R]
         blocks.append((scale * einsum("bnkgd,brkd->bkgnr", qg, retained.entries[0]), held,
                        lambda p: einsum("bkgnr,brke->bkgne", p, retained.entries[1])))
-        numerator, row_max, row_sum = swa._combine(blocks)
+        numerator, row_max, row_sum = swa.softmax_blocks(blocks)
         to_tokens = lambda x: jnp.moveaxis(x.reshape((B, H, n) + x.shape[4:]), 1, 2)  # [B,Hkv,G,n,..] -> [B,n,H,..]
         parts = SoftmaxParts(to_tokens(numerator), to_tokens(row_max), to_tokens(row_sum))
         rings = tuple(swa.write_ring(ring, x, L) for ring, x in zip(cache.linear_inputs, linear_inputs))
