@@ -3,6 +3,8 @@
     python results/claims.py status                     # where each row stands
     python results/claims.py evaluate ROW [ROW ...]     # its evaluations, into results/runs/ROW/eval/
     python results/claims.py evaluate-paired ROW ROW    # whole-file WikiText-2 of both, window by window
+    python results/claims.py run ROW [ROW ...] [--jobs N] [--set section.key=value ...]
+                                                        # train (resuming) then evaluate each, N at a time
     python results/claims.py report                     # results/claims.md from what is evaluated
 
 The output-scale and gate-bias ablation (configs/claims/ablation/, 300 steps x 512 tokens each) is
@@ -248,6 +250,75 @@ def evaluate_paired(rows):
 
     if readings:
         score_in_turn(readings, save, progress=True)
+
+
+RUN_EVALUATIONS = "perplexity,perplexity-full,lambada,niah,approx"  # what `run` evaluates unless told
+RUN_LOGS = os.path.join(ROOT, "runs", "claims-logs")  # /runs/ is the checkout's ignored output folder
+
+
+def _call(command, log):
+    """One step of `run`: the command's exit status, its output appended to the open file `log`."""
+    log.write(f"$ {' '.join(command)}\n")
+    log.flush()
+    return subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def _run_chain(rows, only, settings, log_dir):
+    """The rows of one chain in order (they share their first stage): each unfinished stage trained with
+    `linjax train --resume`, then the row evaluated. {row: None (done) or what failed}; a failure ends the
+    chain, since its later rows start from its stages."""
+    linjax = os.path.join(os.path.dirname(sys.executable), "linjax")
+    outcome = {}
+    for position, row in enumerate(rows):
+        with open(os.path.join(log_dir, f"{row}.log"), "a", encoding="utf-8") as log:
+            steps = [] if row in UNTRAINED else [stage for stage, *_ in stages(row)]
+            for stage in steps:
+                if training_state(stage)[1]:
+                    continue
+                command = [linjax, "train", os.path.join("configs", "claims", f"{stage}.toml"), "--resume",
+                           "--no-progress"] + [part for item in settings for part in ("--set", item)]
+                status = _call(command, log)
+                if status:
+                    outcome[row] = f"training {stage} exited with {status}"
+                    break
+            else:
+                status = _call([sys.executable, os.path.abspath(__file__), "evaluate", row, "--only", only], log)
+                outcome[row] = f"evaluation exited with {status}" if status else None
+        if outcome[row]:
+            outcome.update({later: f"not run: {row} failed" for later in rows[position + 1:]})
+            break
+    return outcome
+
+
+def run_rows(rows, only, jobs, settings, log_dir=RUN_LOGS):
+    """`run`: train and evaluate `rows`, `jobs` chains at a time. Rows that share a first stage (a
+    two-stage row and its first stage, say) form one chain, run in the order given. Returns the number
+    of rows that failed; each row's output goes to LOG_DIR/ROW.log, appended."""
+    import concurrent.futures
+
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown:
+        sys.exit(f"unknown row {unknown[0]!r}; choose from {', '.join(ROWS)}")
+    known = evaluations("any", "any")
+    if set(filter(None, only.split(","))) - set(known):
+        sys.exit(f"unknown evaluation in --only {only!r}; choose from {', '.join(known)}")
+    if jobs < 1:
+        sys.exit(f"--jobs must be 1 or more; got {jobs}")
+    chains = {}
+    for row in dict.fromkeys(rows):
+        chains.setdefault(row if row in UNTRAINED else stages(row)[0][0], []).append(row)
+    os.makedirs(log_dir, exist_ok=True)
+    if jobs > 1:  # several JAX processes on one GPU each take memory as they need it, not 75% at the start
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        running = [pool.submit(_run_chain, chain, only, settings, log_dir) for chain in chains.values()]
+        for done in concurrent.futures.as_completed(running):
+            for row, problem in done.result().items():
+                failed += problem is not None
+                print(f"{row}: {problem or 'trained and evaluated'} "
+                      f"(log: {os.path.relpath(os.path.join(log_dir, row + '.log'), ROOT)})", flush=True)
+    return failed
 
 
 TRAINING_DATA = os.path.join(HERE, "runs", "training-data.json")
@@ -753,6 +824,12 @@ def main():
                     "perplexity-full, lambada, lambada-full, niah, approx")
     paired = sub.add_parser("evaluate-paired", help="perplexity-full of several rows, window by window in turn")
     paired.add_argument("rows", nargs="+")
+    run = sub.add_parser("run", help="train (resuming) and evaluate rows; --jobs N runs N chains at once")
+    run.add_argument("rows", nargs="+")
+    run.add_argument("--jobs", type=int, default=1, help="chains at a time (1; a GPU holds several)")
+    run.add_argument("--only", default=RUN_EVALUATIONS, help=f"evaluations after training ({RUN_EVALUATIONS})")
+    run.add_argument("--set", action="append", default=[], metavar="section.key=value",
+                     help="passed to `linjax train` (model.dtype=float32 keeps a GPU run at the CPU rows' precision)")
     sub.add_parser("report")
     sub.add_parser("data", help="count the training text's documents and tokens into results/runs/training-data.json")
     args = parser.parse_args()
@@ -760,6 +837,8 @@ def main():
         evaluate(args.rows, set(filter(None, args.only.split(","))))
     elif args.command == "evaluate-paired":
         evaluate_paired(args.rows)
+    elif args.command == "run":
+        sys.exit(1 if run_rows(args.rows, args.only, args.jobs, args.set) else 0)
     elif args.command == "report":
         report()
     elif args.command == "data":

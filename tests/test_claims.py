@@ -259,3 +259,53 @@ def test_the_scaling_section_lists_every_point_and_plots_from_two(claims, monkey
     metrics["gdn-w56-s8-0.25M"]["ppl"] = 39.0
     lines = claims.scaling_lines(metrics, data)
     assert (tmp_path / "scaling.png").stat().st_size > 0 and "scaling.png" in lines[-1]
+
+
+def fake_rows(claims, monkeypatch, fails=()):
+    """Rows a, b1, b2 (b1 and b2 both start from stage b0) with a fake `linjax train` that finishes the
+    stage it is given unless it is in `fails`; returns the list of (what, name) calls made, in order."""
+    stages = {"a": ["a"], "b1": ["b0", "b1"], "b2": ["b0", "b2"]}
+    finished, calls = set(), []
+    monkeypatch.setattr(claims, "ROWS", dict.fromkeys(stages, "a row"))
+    monkeypatch.setattr(claims, "stages", lambda row: [(stage, 10, 512, 1) for stage in stages[row]])
+    monkeypatch.setattr(claims, "training_state", lambda row: (None, row in finished))
+
+    def call(command, log):
+        what = "train" if "train" in command else "evaluate"
+        name = os.path.basename(command[2])[:-len(".toml")] if what == "train" else command[3]
+        calls.append((what, name))
+        if what == "train" and name not in fails:
+            finished.add(name)
+        return 1 if name in fails else 0
+    monkeypatch.setattr(claims, "_call", call)
+    return calls
+
+
+def test_run_trains_each_stage_once_then_evaluates_in_chains(claims, monkeypatch, tmp_path, capsys):
+    calls = fake_rows(claims, monkeypatch)
+    assert claims.run_rows(["b2", "a", "b1", "a"], "perplexity", 1, ["model.dtype=float32"], str(tmp_path)) == 0
+    # b2 and b1 share stage b0: one chain, in the order asked, b0 trained once
+    assert calls == [("train", "b0"), ("train", "b2"), ("evaluate", "b2"), ("train", "b1"), ("evaluate", "b1"),
+                     ("train", "a"), ("evaluate", "a")]
+    assert sorted(os.listdir(tmp_path)) == ["a.log", "b1.log", "b2.log"]
+    assert "b1: trained and evaluated (log: " in capsys.readouterr().out
+
+
+def test_run_ends_a_chain_at_its_first_failure_and_counts_it(claims, monkeypatch, tmp_path, capsys):
+    calls = fake_rows(claims, monkeypatch, fails={"b0"})
+    assert claims.run_rows(["b1", "b2", "a"], "perplexity", 2, [], str(tmp_path)) == 2
+    assert ("train", "a") in calls and ("evaluate", "a") in calls
+    assert [name for _, name in calls if name.startswith("b")] == ["b0"]
+    out = capsys.readouterr().out
+    assert "b1: training b0 exited with 1" in out and "b2: not run: b1 failed" in out
+
+
+@pytest.mark.parametrize("rows, only, jobs, message", [
+    (["c"], "perplexity", 1, "unknown row 'c'; choose from a, b1, b2"),
+    (["a"], "perplexity,niah2", 1, "unknown evaluation in --only 'perplexity,niah2'; choose from perplexity"),
+    (["a"], "perplexity", 0, "--jobs must be 1 or more; got 0")])
+def test_run_refuses_bad_requests_in_one_line(claims, monkeypatch, tmp_path, rows, only, jobs, message):
+    calls = fake_rows(claims, monkeypatch)
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+        claims.run_rows(rows, only, jobs, [], str(tmp_path))
+    assert calls == [] and os.listdir(tmp_path) == []
