@@ -1,9 +1,7 @@
 """Issue 37's retention grid: S-NIAH with retained tokens against the same cache budget without them.
 
     python results/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
-    python results/retention.py perplexity [--windows N]            BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
-
-# WikiText-2 with retention on and off
+    python results/retention.py perplexity [--windows N]           # WikiText-2 with retention on and off
     python results/retention.py report                             # results/retention.md from the cells written
 
 The grid: S-NIAH 1, 2 and 3 (RULER's niah_single_1/2/3) at 1,024, 2,048 and 4,096 tokens, 20 samples
@@ -75,7 +73,8 @@ VARIANTS = {
     "original": ("original model (full attention)", ORIGINAL, None, False),
 }
 
-BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}  # variant -> retain_block (`linjax eval ruler --retain-block`); others 1
+# variant -> retain_block (`linjax eval ruler --retain-block`); every other variant selects token by token
+BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}
 
 # WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
 PPL_WINDOWS = 64  # the claims rows' 64 windows of results/claims.py's SEQ_LEN tokens
