@@ -139,6 +139,30 @@ def test_any_split_of_a_sequence_gives_the_same_outputs(base, mechanism):
         pieces.append(logits)
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), one_by_one, atol=1e-5)
     np.testing.assert_allclose(np.asarray(model(tokens[:, :24])), one_by_one[:, :24], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model(tokens)), one_by_one, atol=1e-5)  # 6 blocks and 3 tokens
+
+
+def scan_lengths(jaxpr) -> list[int]:
+    """The length of every `lax.scan` in a jaxpr, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["length"])
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += scan_lengths(inner)
+    return found
+
+
+@pytest.mark.parametrize("length", [24, 23])
+def test_training_reads_blocks_whatever_the_length(base, length):
+    """A training batch of L tokens predicts from L − 1: a length that is not a multiple of C is read
+    as whole blocks and the start of one more, not token by token."""
+    model = linjax.linearize(base, settings(retain_block=4), seed=2)
+    tokens = jnp.zeros((1, length), jnp.int32)
+    assert max(scan_lengths(jax.make_jaxpr(lambda t: model(t))(tokens).jaxpr)) == length // 4
 
 
 def test_training_with_retained_blocks_has_finite_gradients_for_the_new_parameters(base):

@@ -58,9 +58,9 @@ def by_tokens(mixer, x, positions, state: LinearState | None, retain_nothing: bo
 def by_blocks(mixer, x, positions, state: LinearState | None):
     """The mixer with retained tokens chosen a block of `retain_block` C tokens at a time
     (SinksWindow's docstring): a `lax.scan` over blocks of C when the tokens start at a block
-    boundary and fill whole blocks (training, and prefill pieces of a multiple of C), else over single
-    tokens (decode, odd pieces); both run the same `_block_piece`, so any split of a sequence
-    gives the same outputs. Within a block the state does not change; at each boundary it takes the
+    boundary (training and any forward without a cache, of any length; prefill pieces of a multiple
+    of C that start at one), else over single tokens (decode, other pieces); both run the same
+    `_block_piece`, so any split of a sequence gives the same outputs. Within a block the state does not change; at each boundary it takes the
     tokens that lost (or never won) a slot."""
     C = mixer.sinks_window.retain_block
     q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
@@ -71,15 +71,26 @@ def by_blocks(mixer, x, positions, state: LinearState | None):
     T = x.shape[1]
 
     def scan_pieces(size):
-        pieces = tuple(jnp.moveaxis(a.reshape((a.shape[0], T // size, size) + a.shape[2:]), 1, 0) for a in inputs)
-        carry, out = jax.lax.scan(functools.partial(_block_piece, mixer), (start.linear, start.window), pieces)
-        # [pieces, B, size, ...] -> [B, T, ...]
-        return carry, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((a.shape[1], T) + a.shape[3:]), out)
+        """Pieces of `size` tokens, then the fewer than `size` left over as one more piece (with size C:
+        whole blocks, then the start of one, so a sequence that starts at a boundary is read by blocks
+        whatever its length; a training batch of L tokens predicts from L − 1)."""
+        whole = T // size * size
+        carry, out = (start.linear, start.window), None
+        if whole:
+            pieces = tuple(jnp.moveaxis(a[:, :whole].reshape((a.shape[0], whole // size, size) + a.shape[2:]), 1, 0)
+                           for a in inputs)
+            carry, out = jax.lax.scan(functools.partial(_block_piece, mixer), carry, pieces)
+            # [pieces, B, size, ...] -> [B, whole, ...]
+            out = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((a.shape[1], whole) + a.shape[3:]), out)
+        if whole < T:
+            carry, rest = _block_piece(mixer, carry, tuple(a[:, whole:] for a in inputs))
+            out = rest if out is None else jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), out, rest)
+        return carry, out
 
-    if T % C:
-        carry, per_token = scan_pieces(1)
-    elif state is None:  # training: the sequence starts at a boundary
+    if state is None:  # training, or a forward without a cache: the sequence starts at a boundary
         carry, per_token = scan_pieces(C)
+    elif T % C:
+        carry, per_token = scan_pieces(1)
     else:
         carry, per_token = jax.lax.cond(start.window.length % C == 0, lambda: scan_pieces(C),
                                         lambda: scan_pieces(1))
