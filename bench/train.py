@@ -10,7 +10,8 @@ one warm-up call:
 - the training step (`make_train_step`, as `linjax train` runs it: loss, gradient of the
   trainable parameters, clipping, AdamW) of the paper's final recipe (GDN + window 56 +
   sinks 8 + short conv), of GDN + w56 + s8 without the convolution, of pure GDN and pure GLA,
-  and of the final recipe with the layer-wise attention-transfer objective.
+  of the final recipe with the layer-wise attention-transfer objective, and with 64 retained
+  tokens chosen 8 at a time (issue 37).
 PyTorch: transformers' LlamaForCausalLM from the same GGUF file, SDPA attention, with as many
 threads as JAX uses cores. Prints a Markdown table and writes JSON (rewritten after every
 row, so a run cut short keeps what it measured).
@@ -19,6 +20,7 @@ row, so a run cut short keeps what it measured).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -56,6 +58,9 @@ STEPS = {
     "gdn (pure)": (linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0), "ce"),
     "gla (pure)": (linjax.LinearizeConfig(mechanism="gla", window=0, sinks=0), "ce"),
     "gdn+w56+s8+shortconv, attention transfer": (FINAL_RECIPE, "attention_transfer"),
+    # issue 37's trained row: 64 retained tokens chosen 8 at a time (configs/claims/...-retain64.toml)
+    "gdn+w56+s8+shortconv, 64 retained in blocks of 8": (dataclasses.replace(FINAL_RECIPE, retain=64, retain_block=8),
+                                                         "ce"),
 }
 
 
