@@ -16,7 +16,7 @@ Every row is SmolLM2-135M linearized as configs/claims/ROW.toml says and trained
 tokens (`linjax train configs/claims/ROW.toml [--resume]`), except `original` (the full-attention
 model) and `window-w56-s8` (sinks + window softmax with no linear state: nothing to train). A
 two-stage row's config starts from its first stage's run (`train.init_from`): train that first
-(configs/claims/gdn-w56-s8-shortconv-at.toml, -at-seed2/3, -ce.toml, lolcats-at.toml). Every row
+(configs/claims/gdn-w56-s8-shortconv-at.toml, -at-seed2/3, -ce.toml, lolcats-at.toml, -seed2/3). Every row
 is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens;
 `perplexity-full`: the whole file, every token once, with per-window results for the paired bootstrap),
 LAMBADA (OpenAI) accuracy and perplexity (the first 1,000 examples, lm-eval through `linjax eval
@@ -65,7 +65,8 @@ ROWS = {
                                   "same restart (fresh optimizer, warm-up and document order)",
     **{f"{row}-seed{seed}": f"{what}, seed {seed}" for row, what in (
         ("gdn-w56-s8", "GDN + w56 + s8"), ("gla-w56-s8", "GLA + w56 + s8"),
-        ("gdn-w56-s8-shortconv-at-ce", "attention transfer then CE")) for seed in (2, 3)},
+        ("gdn-w56-s8-shortconv-at-ce", "attention transfer then CE"), ("liger-gla", "the Liger-GLA peer"),
+        ("lolcats", "the LoLCATs peer")) for seed in (2, 3)},
     "lolcats": "the LoLCATs peer: Hedgehog + window 64 under one normaliser; 1,000 attention-transfer steps "
                "(feature maps), then 1,000 CE steps (LoRA alone)",
     "liger-gla": "the Liger-GLA peer: GLA gated by the pooled key projection, 0.5 · linear + 0.5 · window 64, LoRA",
