@@ -60,8 +60,8 @@ def by_blocks(mixer, x, positions, state: LinearState | None):
     (SinksWindow's docstring): a `lax.scan` over blocks of C when the tokens start at a block
     boundary (training and any forward without a cache, of any length; prefill pieces of a multiple
     of C that start at one), else over single tokens (decode, other pieces); both run the same
-    `_block_piece`, so any split of a sequence gives the same outputs. Within a block the state does not change; at each boundary it takes the
-    tokens that lost (or never won) a slot."""
+    `_block_piece`, so any split of a sequence gives the same outputs. Within a block the state does
+    not change; at each boundary it takes the tokens that lost (or never won) a slot."""
     C = mixer.sinks_window.retain_block
     q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
     softmax_qkv, (q, k, v), conv_state = mixer._window_and_linear_qkv(q, k, v, state)
