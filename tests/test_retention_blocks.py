@@ -148,11 +148,8 @@ def scan_lengths(jaxpr) -> list[int]:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             found.append(eqn.params["length"])
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    found += scan_lengths(inner)
+        for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += scan_lengths(inner)
     return found
 
 
