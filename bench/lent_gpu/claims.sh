@@ -1,0 +1,20 @@
+# On a lent GPU machine, after bench/lent_gpu/setup.sh has had both halves of the model: train and evaluate
+# claims rows until DEADLINE seconds after the start, then stop the runs (SIGTERM saves a checkpoint) and
+# pack results/runs/ROW (and its stages) into $OUT.   bash bench/lent_gpu/claims.sh DEADLINE JOBS ROW...
+start=$SECONDS; deadline=$1; jobs=$2; shift 2
+bash bench/lent_gpu/setup.sh || exit 1
+export PYTHONPATH=/tmp/site JAX_DEFAULT_MATMUL_PRECISION=${PREC:-highest} JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+echo "setup took $((SECONDS - start)) s"
+python3 results/claims.py run "$@" --jobs $jobs --only perplexity,perplexity-full,niah \
+  --set model.dtype=float32 --set linearize.kernel=chunked > $OUT/claims.log 2>&1 &
+pid=$!
+while kill -0 $pid 2>/dev/null && (( SECONDS - start < deadline )); do
+  sleep 15
+  { echo "t=$((SECONDS - start))"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    for m in results/runs/*/metrics.jsonl; do echo "$m $(tail -1 $m | cut -c1-60)"; done; } >> $OUT/progress.log
+done
+pkill -TERM -f "linjax train"; pkill -TERM -f "linjax eval"; sleep 25
+pkill -TERM -f claims.py
+python3 bench/lent_gpu/pack.py "$OUT" "$@" $(python3 -P -c "import sys; sys.path.insert(0, 'results'); import claims; print(' '.join(s for r in sys.argv[1:] for s, *_ in claims.stages(r)))" "$@")
+echo "packed at t=$((SECONDS - start))"; ls -la $OUT
