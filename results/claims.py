@@ -681,12 +681,76 @@ def report():
     lines.append("| error is largest on early tokens (pure GDN, per-token nMSE) | Fig. 4c: highest at the first "
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
                  f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | {early} |")
+    lines += seed_lines(metrics)
     lines += gap_lines(windows)
     lines += training_length_lines(metrics)
     lines += scaling_lines(metrics, data)
     lines += ablation_lines()
     path = write_text(os.path.join(HERE, "claims.md"), "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, ROOT)}")
+
+
+# Rows trained on a lent GPU (one H200) with the CPU rows' settings: fp32, the highest matmul precision
+# and the XLA chunked kernel (`--set model.dtype=float32 --set linearize.kernel=chunked`; docs/gpu.md);
+# evaluated on the CPU like every other row.
+TRAINED_ON_GPU = ("liger-gla-seed2", "liger-gla-seed3")
+
+
+def seed_groups():
+    """base row -> [the base row (seed 1), its -seedN rows], for every row that has seeds in ROWS."""
+    groups = {}
+    for row in ROWS:
+        base, _, seed = row.rpartition("-seed")
+        if base in ROWS and seed.isdigit():
+            groups.setdefault(base, [base]).append(row)
+    return groups
+
+
+def across_seeds(better, worse):
+    """A claim between two configurations over all their seeds' whole-file perplexities: it holds across
+    seeds when every seed of the better row scores below every seed of the worse one."""
+    if len(better) + len(worse) < 3:
+        return "one seed each: see the interval"
+    if max(better) < min(worse):
+        return f"holds across the {len(better)} + {len(worse)} seeds"
+    if min(better) > max(worse):
+        return f"does not hold: reversed across the {len(better)} + {len(worse)} seeds"
+    return "the seeds overlap: undecided"
+
+
+def seed_lines(metrics):
+    """claims.md's section on the training seed: each configuration's seeds, and the claims between
+    configurations re-read over all their seeds."""
+    groups = seed_groups()
+    lines = ["", "## Across training seeds", "",
+             "WikiText-2 perplexity on the whole test file for every configuration trained with more than one "
+             "seed (the base row is seed 1; a two-stage row's stage 2 draws the next seed's data order). A claim "
+             "between such configurations **holds across seeds** when every seed of the better row scores below "
+             "every seed of the worse one; the intervals above cover the test text, this covers the training "
+             "seed. Trained on a lent GPU (one H200, the CPU rows' settings: fp32, highest matmul precision, the "
+             f"XLA chunked kernel): {', '.join(TRAINED_ON_GPU)}; every other row on a CPU.", "",
+             "| configuration | whole-file ppl by seed | mean | range |", "|---|---|---|---|"]
+    for base, rows in groups.items():
+        values = [(seed_label(row), metrics[row]["ppl_whole_file"]) for row in rows]
+        done = [v for _, v in values if v is not None]
+        lines.append(f"| {base} | {', '.join(f'{seed}: {fmt(v)}' for seed, v in values)} | "
+                     f"{fmt(statistics.mean(done)) if done else '—'} | "
+                     f"{f'{min(done):.2f}–{max(done):.2f}' if len(done) > 1 else '—'} |")
+    lines += ["", "| claim | better row's seeds | worse row's seeds | across seeds |", "|---|---|---|---|"]
+    for claim, _, better, worse in CLAIMS:
+        if better not in groups and worse not in groups:
+            continue
+        scores = [[metrics[r]["ppl_whole_file"] for r in groups.get(row, [row])
+                   if metrics[r]["ppl_whole_file"] is not None] for row in (better, worse)]
+        verdict_text = across_seeds(*scores) if all(scores) else "pending"
+        lines.append(f"| {claim} | {', '.join(fmt(v) for v in scores[0]) or '—'} | "
+                     f"{', '.join(fmt(v) for v in scores[1]) or '—'} | {verdict_text} |")
+    return lines
+
+
+def seed_label(row):
+    base, _, seed = row.rpartition("-seed")
+    return seed if base in ROWS and seed.isdigit() else "1"
 
 
 def gap_lines(windows):

@@ -309,3 +309,15 @@ def test_run_refuses_bad_requests_in_one_line(claims, monkeypatch, tmp_path, row
     with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
         claims.run_rows(rows, only, jobs, [], str(tmp_path))
     assert calls == [] and os.listdir(tmp_path) == []
+
+
+def test_seed_groups_and_claims_read_across_seeds(claims):
+    groups = claims.seed_groups()
+    assert groups["gdn-w56-s8-shortconv"] == ["gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2",
+                                              "gdn-w56-s8-shortconv-seed3"]
+    assert set(groups) >= {"liger-gla", "lolcats", "gdn-w56-s8", "gla-w56-s8"}
+    assert all(claims.seed_label(row) == str(seed) for seed, row in enumerate(groups["lolcats"], 1))
+    assert claims.across_seeds([36.8, 37.3], [78.8, 79.5, 80.1]) == "holds across the 2 + 3 seeds"
+    assert claims.across_seeds([40.0, 41.0], [38.0, 39.0]).startswith("does not hold")
+    assert claims.across_seeds([36.8, 39.0], [38.0]) == "the seeds overlap: undecided"
+    assert claims.across_seeds([36.8], [38.0]).startswith("one seed each")
