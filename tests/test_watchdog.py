@@ -93,3 +93,21 @@ def test_cli_flag_reaches_eval_commands():
     assert (args.watched, args.watchdog) == ("linjax eval ruler", 7.0)
     args = build_parser().parse_args(["run", "c.toml"])
     assert args.watchdog == watchdog.DEFAULT_SECONDS and getattr(args, "watched", None) is None
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path):
+    """`kill -USR1` on a `linjax` process that seems stuck shows where it is, without stopping it."""
+    code = """
+        import os, signal, time
+        from linjax.app import watchdog
+        watchdog.dump_stacks_on_sigusr1()
+        def waiting_in_a_named_function():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+        waiting_in_a_named_function()
+        print("went on", flush=True)
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, capture_output=True,
+                          text=True, env=python_environment(), timeout=60)
+    assert done.returncode == 0 and "went on" in done.stdout, done.stderr[-2000:]
+    assert "waiting_in_a_named_function" in done.stderr

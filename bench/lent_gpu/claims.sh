@@ -14,6 +14,7 @@ while kill -0 $pid 2>/dev/null && (( SECONDS - start < deadline )); do
   { echo "t=$((SECONDS - start))"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
     for m in results/runs/*/metrics.jsonl; do echo "$m $(tail -1 $m | cut -c1-60)"; done; } >> $OUT/progress.log
 done
+pkill -USR1 -f "bin/linjax "; sleep 3  # each linjax process prints its stacks into its row's log: where it was
 pkill -TERM -f "linjax train"; pkill -TERM -f "linjax eval"; sleep 25
 pkill -TERM -f claims.py
 python3 bench/lent_gpu/pack.py "$OUT" "$@" $(python3 -P -c "import sys; sys.path.insert(0, 'results'); import claims; print(' '.join(s for r in sys.argv[1:] for s, *_ in claims.stages(r)))" "$@")

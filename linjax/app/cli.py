@@ -324,6 +324,7 @@ def main(argv=None):
         hugepages.reexec_module_with_huge_pages("linjax.app.cli", sys.argv[1:])
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    watchdog.dump_stacks_on_sigusr1()
     args = build_parser().parse_args(argv)
     watched = getattr(args, "watched", None)  # `linjax run` watches each of its stages itself
     try:

@@ -13,6 +13,9 @@ process with exit status 3. `linjax run` resumes from its last finished stage wh
             ...
             heartbeat.progress()
 
+`linjax` also prints every thread's stack on SIGUSR1 and goes on (`kill -USR1 PID`): what a run that
+seems stuck is doing (compiling, stepping, waiting on a file) without stopping it.
+
 `seconds` of None or ≤ 0 turns the watchdog off. Compilation counts as no progress, so the
 limit must exceed the longest compile of the stage (minutes for a large model). Temporary files
 and folders registered with `heartbeat.temporary(path)` are removed before the process ends.
@@ -24,6 +27,7 @@ import contextlib
 import faulthandler
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -38,6 +42,12 @@ EXIT_STATUS = 3
 # that beat do not import the app; re-exported here for `watchdog.progress()` in scripts.
 progress = heartbeat.progress
 temporary = heartbeat.temporary
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints the Python stack of every thread to stderr; the process goes on."""
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
 def _stalled(stage: str, seconds: float, hint: str) -> None:
