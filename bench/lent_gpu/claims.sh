@@ -14,8 +14,10 @@ while kill -0 $pid 2>/dev/null && (( SECONDS - start < deadline )); do
   { echo "t=$((SECONDS - start))"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
     for m in results/runs/*/metrics.jsonl; do echo "$m $(tail -1 $m | cut -c1-60)"; done; } >> $OUT/progress.log
 done
-pkill -USR1 -f "bin/linjax "; sleep 3  # each linjax process prints its stacks into its row's log: where it was
-pkill -TERM -f "linjax train"; pkill -TERM -f "linjax eval"; sleep 25
+# `linjax` re-executes itself as `python -c "...from linjax.app.cli import main; main()" ARGS`: match both forms.
+# Each prints its stacks into its row's log (where it was), then training stops at a checkpoint.
+pkill -USR1 -f "linjax\.app\.cli|bin/linjax "; sleep 3
+pkill -TERM -f "(linjax\.app\.cli.*|bin/linjax) (train|eval) "; sleep 25
 pkill -TERM -f claims.py
 python3 bench/lent_gpu/pack.py "$OUT" "$@" $(python3 -P -c "import sys; sys.path.insert(0, 'results'); import claims; print(' '.join(s for r in sys.argv[1:] for s, *_ in claims.stages(r)))" "$@")
 echo "packed at t=$((SECONDS - start))"; ls -la $OUT
