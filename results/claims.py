@@ -20,7 +20,8 @@ two-stage row's config starts from its first stage's run (`train.init_from`): tr
 is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows of 1,024 tokens;
 `perplexity-full`: the whole file, every token once, with per-window results for the paired bootstrap),
 LAMBADA (OpenAI) accuracy and perplexity (the first 1,000 examples, lm-eval through `linjax eval
-lm-eval`; `lambada-full`: all 5,153, with per-example results in samples_lambada_openai.jsonl), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
+lm-eval`; `lambada-full`: all 5,153 scored in JAX by `linjax eval lambada`, per-example results in
+eval/lambada-full.json, whose first 1,000 stand in for lm-eval's where a row has no lm-eval run), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
 the original on Clean Alpaca (8 x 512 tokens). An evaluation already written is not run again.
 """
 
@@ -37,6 +38,7 @@ import tomllib
 
 import numpy as np
 
+from linjax.eval.lambada import summary as lambada_summary
 from linjax.files import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,6 +110,7 @@ VARIANTS = {
 SCALING = ("gdn-w56-s8-0.25M", "gdn-w56-s8-0.5M", "gdn-w56-s8", "gdn-w56-s8-2M")  # 0.25, 0.5, 1, 2M tokens
 UNTRAINED = {"original": "smollm2-135m", "window-w56-s8": "configs/claims/window-w56-s8.toml",
              "window-64": "configs/claims/window-64.toml"}
+LAMBADA_LIMIT = 1000  # the table's LAMBADA columns: the first 1,000 examples; `lambada-full`: all 5,153
 NIAH_TASKS, NIAH_LENGTHS, NIAH_SAMPLES = ("niah_single_1", "niah_single_2"), (1024, 2048), 10
 
 
@@ -161,11 +164,11 @@ def evaluations(row, model):
             "perplexity", model, "--data", os.path.join(DATA, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw"),
             "--seq-len", "1024", "--whole-file", "--out", os.path.join(out, "wikitext2-full.json")]),
         "lambada": (os.path.join(out, "lambada", "lm_eval_results.json"), linjax + [
-            "lm-eval", model, "--tasks", "lambada_openai", "--limit", "1000", "--data-dir", DATA,
+            "lm-eval", model, "--tasks", "lambada_openai", "--limit", str(LAMBADA_LIMIT), "--data-dir", DATA,
             "--out", os.path.join(out, "lambada"), "--resume"]),
-        "lambada-full": (os.path.join(out, "lambada-full", "lm_eval_results.json"), linjax + [
-            "lm-eval", model, "--tasks", "lambada_openai", "--data-dir", DATA, "--log-samples",
-            "--out", os.path.join(out, "lambada-full"), "--resume"]),
+        # all 5,153, scored in JAX (eval/lambada.py: lm-eval's figures, example by example, without the export)
+        "lambada-full": (os.path.join(out, "lambada-full.json"), linjax + [
+            "lambada", model, "--data-dir", DATA, "--out", os.path.join(out, "lambada-full.json"), "--resume"]),
         "niah": (os.path.join(out, "niah.json"), linjax + [
             "ruler", model, "--tasks", ",".join(NIAH_TASKS), "--lengths", ",".join(map(str, NIAH_LENGTHS)),
             "--samples", str(NIAH_SAMPLES), "--out", os.path.join(out, "niah.json")]),
@@ -178,8 +181,10 @@ def evaluations(row, model):
 def is_done(name, path):
     """An evaluation counts as done once its output exists; lm-eval's file is written at the start of a
     resumable run too, so LAMBADA is done only when the file lists the task as finished."""
-    if name in ("lambada", "lambada-full"):
+    if name == "lambada":
         return "lambada_openai" in ((_load(path) or {}).get("finished_tasks") or [])
+    if name == "lambada-full":  # written after every batch: done once complete
+        return bool((_load(path) or {}).get("complete"))
     return os.path.exists(path)
 
 
@@ -253,7 +258,7 @@ def evaluate_paired(rows):
         score_in_turn(readings, save, progress=True)
 
 
-RUN_EVALUATIONS = "perplexity,perplexity-full,lambada,niah,approx"  # what `run` evaluates unless told
+RUN_EVALUATIONS = "perplexity,perplexity-full,lambada-full,niah,approx"  # what `run` evaluates unless told
 RUN_LOGS = os.path.join(ROOT, "runs", "claims-logs")  # /runs/ is the checkout's ignored output folder
 
 
@@ -388,10 +393,14 @@ def metrics_of(row):
     m["lambada_acc"] = 100 * lam["acc,none"] if lam else None
     m["lambada_ppl"] = lam["perplexity,none"] if lam else None
     m["lambada_acc_stderr"] = 100 * lam["acc_stderr,none"] if lam else None
-    full = _load(os.path.join(out, "lambada-full", "lm_eval_results.json"))
-    full = full and "lambada_openai" in (full.get("finished_tasks") or []) and full["results"]["lambada_openai"]
-    m["lambada_full_acc"] = 100 * full["acc,none"] if full else None
-    m["lambada_full_ppl"] = full["perplexity,none"] if full else None
+    full = _load(os.path.join(out, "lambada-full.json"))
+    full = full if full and full.get("complete") else None
+    m["lambada_full_acc"] = 100 * full["acc"] if full else None
+    m["lambada_full_ppl"] = full["perplexity"] if full else None
+    if lam is None and full:  # the first 1,000 of the JAX scorer's examples: the same figures as lm-eval's
+        first = lambada_summary(full["examples"][:LAMBADA_LIMIT])
+        m["lambada_acc"], m["lambada_ppl"] = 100 * first["acc"], first["perplexity"]
+        m["lambada_acc_stderr"] = 100 * first["acc_stderr"]
     niah = _load(os.path.join(out, "niah.json"))
     for r in (niah or {}).get("results", []):
         m[f"{r['task']}@{r['length']}"] = 100 * r["accuracy"]

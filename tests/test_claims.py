@@ -1,6 +1,7 @@
 """results/claims.py's paired bootstrap over articles: a known difference is found, none is undecided."""
 
 import importlib.util
+import math
 import os
 
 import numpy as np
@@ -321,3 +322,20 @@ def test_seed_groups_and_claims_read_across_seeds(claims):
     assert claims.across_seeds([40.0, 41.0], [38.0, 39.0]).startswith("does not hold")
     assert claims.across_seeds([36.8, 39.0], [38.0]) == "the seeds overlap: undecided"
     assert claims.across_seeds([36.8], [38.0]).startswith("one seed each")
+
+
+def test_lambada_columns_come_from_the_jax_scorer_where_lm_eval_did_not_run(claims, monkeypatch, tmp_path):
+    """A row with only `lambada-full` (all 5,153 in JAX): its LAMBADA columns are the first 1,000 of those
+    examples, and the full columns all of them; an incomplete file counts as not evaluated."""
+    from linjax.files import write_json
+
+    monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / row))
+    examples = [{"loglikelihood": -1.0 if i < 1000 else -3.0, "greedy": i % 4 == 0, "target_tokens": 1}
+                for i in range(1200)]
+    write_json(str(tmp_path / "done" / "lambada-full.json"), {"complete": True, "acc": 0.25, "perplexity": 3.4,
+                                                              "examples": examples})
+    write_json(str(tmp_path / "partial" / "lambada-full.json"), {"complete": False, "examples": examples[:10]})
+    done, partial = claims.metrics_of("done"), claims.metrics_of("partial")
+    assert done["lambada_acc"] == 25.0 and abs(done["lambada_ppl"] - math.e) < 1e-12
+    assert (done["lambada_full_acc"], done["lambada_full_ppl"]) == (25.0, 3.4)
+    assert partial["lambada_acc"] is None and partial["lambada_full_acc"] is None

@@ -7,6 +7,7 @@
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
         [--budgets 128,512 [--window-only]] --out F.json
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
+    linjax eval lambada MODEL --data-dir DIR [--limit N] [--batch-size B] --out F.json [--resume | --overwrite]
     linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B]
         [--out DIR] [--resume | --overwrite] [--log-samples] [--trust-remote-code]
 
@@ -15,13 +16,14 @@ MODEL: see `linjax.eval.models.load_model`.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 from linjax.app import watchdog
 from linjax.app.arguments import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
                                   positive_ints)
-from linjax.eval import approx, diagnostics, lm_eval_bridge, ruler, select_layers
+from linjax.eval import approx, diagnostics, lambada, lm_eval_bridge, ruler, select_layers
 from linjax.eval.models import load_model
 from linjax.eval.perplexity import summary, text_windows, window_scores
 from linjax.files import write_json
@@ -112,6 +114,37 @@ def _ruler(args):
                        seed=args.seed, retain=args.retain, retain_score=args.retain_score,
                        retain_block=args.retain_block)
     print("\n" + result["table_markdown"] + f"\n→ {args.out}")
+
+
+def _lambada(args):
+    _refuse_earlier_results(args, args.out, args.resume)
+    texts = lambada.read_texts(args.data_dir, args.limit)
+    model, tokenizer, description = load_model(args.model, args.dtype)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer; LAMBADA needs one")
+    settings = {"model": description, "data": os.path.abspath(os.path.join(args.data_dir, "lambada")),
+                "limit": args.limit, "dtype": args.dtype}
+    earlier = []
+    if args.resume and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as f:
+            saved = json.load(f)
+        if {key: saved.get(key) for key in settings} != settings:
+            raise ValueError(f"{args.out} holds LAMBADA results of other settings "
+                             f"({ {key: saved.get(key) for key in settings} }); --overwrite replaces them")
+        earlier = saved["examples"]
+    start = time.perf_counter()
+
+    def save(examples):
+        complete = len(examples) == len(texts)
+        write_json(args.out, {**settings, "complete": complete, **(lambada.summary(examples) if complete else {}),
+                              "seconds": time.perf_counter() - start, "examples": examples})
+
+    examples = earlier + lambada.score(model, tokenizer, texts, args.batch_size, progress=True, done=len(earlier),
+                                       on_batch=lambda new: save(earlier + new))
+    save(examples)
+    result = lambada.summary(examples)
+    print(f"{description}: LAMBADA acc {100 * result['acc']:.1f}% (± {100 * result['acc_stderr']:.1f}), perplexity "
+          f"{result['perplexity']:.2f} over {result['scored']} examples → {args.out}")
 
 
 def _lm_eval(args):
@@ -209,6 +242,20 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--out", required=True, help="the TOML fragment to write")
     _add_overwrite(p)
     p.set_defaults(func=_select_layers)
+
+    p = evals.add_parser("lambada", help="LAMBADA (OpenAI) last-word accuracy and perplexity, scored in JAX as "
+                                          "lm-eval's lambada_openai scores it (no export to PyTorch)")
+    p.add_argument("model", metavar="MODEL", help="smollm2-135m, a checkpoint or run directory, or an experiment TOML")
+    p.add_argument("--data-dir", required=True, help="the data folder holding lambada/lambada_test.jsonl")
+    p.add_argument("--limit", type=positive_int, default=None, help="score only the first N examples (of 5,153)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out", required=True, help="JSON file: the summary and each example's result")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="go on from the examples --out already holds")
+    again.add_argument("--overwrite", action="store_true", help="replace the results --out holds")
+    watchdog.add_argument(p)
+    p.set_defaults(func=_lambada, watched="linjax eval lambada")
 
     p = evals.add_parser("lm-eval", help="downstream tasks (piqa, arc_easy, ..., mmlu) with lm-evaluation-harness")
     p.add_argument("model", metavar="MODEL", help="an exported HF directory, smollm2-135m, a checkpoint or run directory")
