@@ -6,8 +6,10 @@ bash bench/lent_gpu/setup.sh || exit 1
 export PYTHONPATH=/tmp/site JAX_DEFAULT_MATMUL_PRECISION=${PREC:-highest} JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache \
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 echo "setup took $((SECONDS - start)) s"
+# The CPU rows' settings unless CLAIMS_SETTINGS says otherwise (say, adding --set train.remat=none after
+# bench/lent_gpu/probe.py has timed it).
 python3 results/claims.py run "$@" --jobs $jobs \
-  --set model.dtype=float32 --set linearize.kernel=chunked > $OUT/claims.log 2>&1 &
+  ${CLAIMS_SETTINGS:---set model.dtype=float32 --set linearize.kernel=chunked} > $OUT/claims.log 2>&1 &
 pid=$!
 while kill -0 $pid 2>/dev/null && (( SECONDS - start < deadline )); do
   sleep 15

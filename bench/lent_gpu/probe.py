@@ -1,42 +1,75 @@
-"""Time `linjax train`'s step for the claims rows on this GPU: SmolLM2-135M shapes with random weights,
-the final recipe, 1 x 512 tokens, fp32, the XLA chunked kernel; at each matmul precision given."""
-import os, sys, time
+"""Time `linjax train`'s step as the claims rows take it, without the model file: SmolLM2-135M's shapes with
+random weights, the final recipe (GDN + window 56 + sinks 8 + short conv), 1 x 512 tokens, fp32; one line
+per combination of kernel, remat and matmul precision (compilation, first and median step, the loss
+after the steps, which settings computing the same function share to a few digits).
+
+    python bench/lent_gpu/probe.py [--kernels chunked,pallas] [--remats auto,none] [--precisions highest]
+
+On a lent GPU, run it in the first call (docs/gpu.md) to choose the claims rows' settings for the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
 T0 = time.perf_counter()
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-import jax, jax.numpy as jnp, numpy as np
-import linjax
-from gpu_check import random_model, model_shapes
-from linjax.experiment import TrainSection
-from linjax.train import sharding
-from linjax.train.loop import make_optimizer, make_train_step, place_train_state
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)  # for gpu_check's random_model
 
-def say(*a):
-    print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-say("imports", jax.devices())
-settings = TrainSection(steps=2000, seq_len=512, batch_size=1, warmup_steps=100)
-recipe = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv", kernel="chunked")
-base = random_model(model_shapes("smollm2-135m", False), jnp.float32, 30)
-say("random weights")
-mesh = sharding.make_mesh()
-model = linjax.linearize(base, recipe, seed=1)
-optimizer, _ = make_optimizer(settings, recipe.adapter)
-graphdef, trainable, opt_state, frozen, _ = place_train_state(model, optimizer, mesh)
-say("placed; remat", settings.remat_policy(), "loss_chunk", settings.loss_chunk_size())
-tokens = jnp.asarray(np.random.default_rng(0).integers(0, 49152, (1, 512)), jnp.int32)
-for precision in sys.argv[1:]:
-    with jax.default_matmul_precision(precision):
-        step = make_train_step(graphdef, optimizer, "ce", mesh, remat=settings.remat_policy(),
-                               loss_chunk=settings.loss_chunk_size())
-        t = time.perf_counter(); compiled = step.lower(trainable, opt_state, frozen, tokens).compile()
-        say(precision, f"compiled in {time.perf_counter() - t:.1f} s")
-        state = [trainable, opt_state]
-        times = []
-        for i in range(25):
-            t = time.perf_counter()
-            new_t, new_o, metrics = compiled(*state, frozen, tokens)
-            jax.block_until_ready(metrics)
-            state = [new_t, new_o]
-            times.append(time.perf_counter() - t)
-        say(precision, f"median step {1000 * np.median(times[5:]):.1f} ms, first {1000 * times[0]:.1f} ms, "
-            f"loss {float(metrics['loss']) if isinstance(metrics, dict) and 'loss' in metrics else metrics}")
+import linjax  # noqa: E402
+from gpu_check import model_shapes, random_model  # noqa: E402
+from linjax.experiment import TrainSection  # noqa: E402
+from linjax.train import sharding  # noqa: E402
+from linjax.train.loop import make_optimizer, make_train_step, place_train_state  # noqa: E402
+
+
+def say(*parts):
+    print(f"[{time.perf_counter() - T0:6.1f} s]", *parts, flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", default="chunked", help="comma-separated: chunked, pallas")
+    parser.add_argument("--remats", default="auto", help="comma-separated: auto, none, layer, full")
+    parser.add_argument("--precisions", default="highest", help="comma-separated: highest, tensorfloat32, ...")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    say("devices", jax.devices())
+    base = random_model(model_shapes("smollm2-135m", False), jnp.float32, 30)
+    say("random weights")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 49152, (1, 512)), jnp.int32)
+    mesh = sharding.make_mesh()
+    for kernel, remat, precision in itertools.product(*(a.split(",") for a in (args.kernels, args.remats,
+                                                                                 args.precisions))):
+        settings = TrainSection(steps=2000, seq_len=512, batch_size=1, warmup_steps=100, remat=remat)
+        recipe = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv", kernel=kernel)
+        model = linjax.linearize(base, recipe, seed=1)
+        optimizer, _ = make_optimizer(settings, recipe.adapter)
+        graphdef, trainable, opt_state, frozen, _ = place_train_state(model, optimizer, mesh)
+        with jax.default_matmul_precision(precision):
+            step = make_train_step(graphdef, optimizer, "ce", mesh, remat=settings.remat_policy(),
+                                   loss_chunk=settings.loss_chunk_size())
+            start = time.perf_counter()
+            compiled = step.lower(trainable, opt_state, frozen, tokens).compile()
+            compile_s = time.perf_counter() - start
+            times, state = [], (trainable, opt_state)
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                *state, metrics = compiled(*state, frozen, tokens)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+        say(f"kernel {kernel}, remat {remat} ({settings.remat_policy()}), precision {precision}: compiled in "
+            f"{compile_s:.1f} s; median step {1000 * np.median(times[3:]):.1f} ms, first {1000 * times[0]:.1f} ms; "
+            f"loss after {args.steps} steps {float(metrics['loss']):.6f}")
+
+
+if __name__ == "__main__":
+    main()
