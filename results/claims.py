@@ -21,8 +21,9 @@ is evaluated on the same data: WikiText-2 test perplexity (the first 64 windows 
 `perplexity-full`: the whole file, every token once, with per-window results for the paired bootstrap),
 LAMBADA (OpenAI) accuracy and perplexity (the first 1,000 examples, lm-eval through `linjax eval
 lm-eval`; `lambada-full`: all 5,153 scored in JAX by `linjax eval lambada`, per-example results in
-eval/lambada-full.json, whose first 1,000 stand in for lm-eval's where a row has no lm-eval run), S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against
-the original on Clean Alpaca (8 x 512 tokens). An evaluation already written is not run again.
+eval/lambada-full.json, whose first 1,000 stand in for lm-eval's where a row has no lm-eval run),
+S-NIAH-1/2 at 1k and 2k tokens (10 samples each), per-layer and per-token nMSE against the original
+on Clean Alpaca (8 x 512 tokens). An evaluation already written is not run again.
 """
 
 from __future__ import annotations
