@@ -111,3 +111,9 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path):
                           text=True, env=python_environment(), timeout=60)
     assert done.returncode == 0 and "went on" in done.stdout, done.stderr[-2000:]
     assert "waiting_in_a_named_function" in done.stderr
+
+
+def test_the_stack_dump_registers_while_stderr_is_captured(capsys):
+    """`linjax.app.cli.main` called in-process (tests, notebooks) with sys.stderr replaced by an object that
+    has no file descriptor still registers the handler, on the process's own stderr."""
+    watchdog.dump_stacks_on_sigusr1()

@@ -45,9 +45,11 @@ temporary = heartbeat.temporary
 
 
 def dump_stacks_on_sigusr1() -> None:
-    """SIGUSR1 prints the Python stack of every thread to stderr; the process goes on."""
-    if hasattr(signal, "SIGUSR1"):  # not on Windows
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    """SIGUSR1 prints the Python stack of every thread to the process's standard error (where its log is
+    redirected); the process goes on. The original stream, since a replaced sys.stderr (an in-process
+    caller capturing output) may have no file descriptor for the signal handler to write to."""
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # no SIGUSR1 on Windows
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def _stalled(stage: str, seconds: float, hint: str) -> None:
