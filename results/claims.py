@@ -499,6 +499,7 @@ CLAIMS = [
      "not measured (the paper has no window-only row at a 64-token cache; its S-NIAH table: SWA 0 at 128 tokens)",
      "gdn-w56-s8-shortconv", "window-w56-s8"),
     ("the linear state adds to the window (seed 2)", "—", "gdn-w56-s8-shortconv-seed2", "window-w56-s8"),
+    ("the linear state adds to the window (seed 3)", "—", "gdn-w56-s8-shortconv-seed3", "window-w56-s8"),
     ("GDN beats GLA without a window", "GDN 44.67 vs GLA 28.26 / 23.60 vs 11.29 (Table 1)", "gdn", "gla"),
     ("GDN beats GLA with window 56 + sinks 8", "68.82 vs 59.31 / 64.53 vs 56.50 (Table 2)", "gdn-w56-s8", "gla-w56-s8"),
     ("sinks + window beat window 64 (same cache)", "GDN 68.82 vs 41.92 / 64.53 vs 59.30 (Table 2)",
