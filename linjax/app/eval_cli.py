@@ -124,20 +124,20 @@ def _lambada(args):
         raise ValueError(f"{args.model} has no tokenizer; LAMBADA needs one")
     settings = {"model": description, "data": os.path.abspath(os.path.join(args.data_dir, "lambada")),
                 "limit": args.limit, "dtype": args.dtype}
-    earlier = []
+    earlier, earlier_seconds = [], 0.0
     if args.resume and os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as f:
             saved = json.load(f)
         if {key: saved.get(key) for key in settings} != settings:
             raise ValueError(f"{args.out} holds LAMBADA results of other settings "
                              f"({ {key: saved.get(key) for key in settings} }); --overwrite replaces them")
-        earlier = saved["examples"]
+        earlier, earlier_seconds = saved["examples"], saved.get("seconds", 0.0)
     start = time.perf_counter()
 
     def save(examples):
         complete = len(examples) == len(texts)
         write_json(args.out, {**settings, "complete": complete, **(lambada.summary(examples) if complete else {}),
-                              "seconds": time.perf_counter() - start, "examples": examples})
+                              "seconds": earlier_seconds + time.perf_counter() - start, "examples": examples})
 
     examples = earlier + lambada.score(model, tokenizer, texts, args.batch_size, progress=True, done=len(earlier),
                                        on_batch=lambda new: save(earlier + new))
