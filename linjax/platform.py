@@ -25,6 +25,16 @@ def has_cuda() -> bool:
         return False
 
 
+def device_description() -> str:
+    """What this process computes on, for a run's history: "cpu", or the platform, count and kind of
+    JAX's devices across every host, e.g. "gpu: 8 x NVIDIA H100 80GB HBM3"."""
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        return "cpu"
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    return f"{devices[0].platform}: {len(devices)} x {kinds}"
+
+
 def resolve_kernel(kernel: str) -> str:
     """"auto" → "pallas" (the Triton kernels) with a CUDA device, else "chunked"; other names as given."""
     if kernel == "auto":

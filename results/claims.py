@@ -701,10 +701,34 @@ def report():
     print(f"wrote {os.path.relpath(path, ROOT)}")
 
 
-# Rows trained on a lent GPU (one H200) with the CPU rows' settings: fp32, the highest matmul precision
-# and the XLA chunked kernel (`--set model.dtype=float32 --set linearize.kernel=chunked`; docs/gpu.md);
-# evaluated on the CPU like every other row.
-TRAINED_ON_GPU = ("liger-gla-seed2", "liger-gla-seed3")
+# Rows trained on a lent GPU (one H200) before a run's history named its devices (train/loop.py now
+# records them in each start and resumption). GPU rows keep the CPU rows' settings: fp32, the highest
+# matmul precision and the XLA chunked kernel (`--set model.dtype=float32 --set linearize.kernel=chunked`;
+# docs/gpu.md), and are evaluated on the CPU like every other row.
+TRAINED_ON_GPU_UNRECORDED = {row: "gpu: 1 x NVIDIA H200" for row in ("liger-gla-seed2", "liger-gla-seed3")}
+
+
+def training_devices(row):
+    """The devices other than a CPU that a row's training ran on (its config.json history; every
+    stage of a two-stage row), in order, without repeats."""
+    found = []
+    for part, *_ in stages(row):
+        history = (_load(os.path.join(run_dir(part), "config.json")) or {}).get("history", [])
+        for entry in history:  # a start or resumption recorded before the devices were: the one known, or a CPU
+            device = entry.get("device") or TRAINED_ON_GPU_UNRECORDED.get(part, "cpu")
+            if device != "cpu" and device not in found:
+                found.append(device)
+    return found
+
+
+def gpu_sentence():
+    """Which rows trained on a GPU (from their runs' histories), for claims.md."""
+    rows = {row: training_devices(row) for row in ROWS if row not in UNTRAINED}
+    on_gpu = [f"{row} ({'; '.join(devices)})" for row, devices in rows.items() if devices]
+    if not on_gpu:
+        return "Every row trained on a CPU."
+    return ("Trained on a lent GPU with the CPU rows' settings (fp32, highest matmul precision, the XLA chunked "
+            f"kernel): {', '.join(on_gpu)}; every other row on a CPU.")
 
 
 def seed_groups():
@@ -738,8 +762,7 @@ def seed_lines(metrics):
              "seed (the base row is seed 1; a two-stage row's stage 2 draws the next seed's data order). A claim "
              "between such configurations **holds across seeds** when every seed of the better row scores below "
              "every seed of the worse one; the intervals above cover the test text, this covers the training "
-             "seed. Trained on a lent GPU (one H200, the CPU rows' settings: fp32, highest matmul precision, the "
-             f"XLA chunked kernel): {', '.join(TRAINED_ON_GPU)}; every other row on a CPU.", "",
+             f"seed. {gpu_sentence()}", "",
              "| configuration | whole-file ppl by seed | mean | range |", "|---|---|---|---|"]
     for base, rows in groups.items():
         values = [(seed_label(row), metrics[row]["ppl_whole_file"]) for row in rows]

@@ -339,3 +339,24 @@ def test_lambada_columns_come_from_the_jax_scorer_where_lm_eval_did_not_run(clai
     assert done["lambada_acc"] == 25.0 and abs(done["lambada_ppl"] - math.e) < 1e-12
     assert (done["lambada_full_acc"], done["lambada_full_ppl"]) == (25.0, 3.4)
     assert partial["lambada_acc"] is None and partial["lambada_full_acc"] is None
+
+
+def test_the_rows_trained_on_a_gpu_come_from_their_runs_histories(claims, monkeypatch, tmp_path):
+    """A row's devices are read from each stage's config.json history; a start recorded before
+    histories named devices is a CPU unless the row is one of the known GPU rows."""
+    from linjax.files import write_json
+
+    monkeypatch.setattr(claims, "run_dir", lambda row: str(tmp_path / row))
+    monkeypatch.setattr(claims, "stages", lambda row: [("one", 1, 512, 1), ("two", 1, 512, 1)] if row == "two"
+                        else [(row, 1, 512, 1)])
+    monkeypatch.setattr(claims, "TRAINED_ON_GPU_UNRECORDED", {"old-gpu": "gpu: 1 x NVIDIA H200"})
+    gpu = "gpu: 1 x NVIDIA H100 80GB HBM3"
+    write_json(str(tmp_path / "one" / "config.json"), {"history": [{"event": "start"}]})  # before devices
+    write_json(str(tmp_path / "two" / "config.json"), {"history": [{"event": "start", "device": "cpu"},
+                                                                   {"event": "resume", "device": gpu}]})
+    write_json(str(tmp_path / "old-gpu" / "config.json"), {"history": [{"event": "start"}]})
+    assert claims.training_devices("one") == [] and claims.training_devices("two") == [gpu]
+    assert claims.training_devices("old-gpu") == ["gpu: 1 x NVIDIA H200"]
+    assert claims.training_devices("never-ran") == []
+    monkeypatch.setattr(claims, "ROWS", {"one": "", "two": "", "old-gpu": ""})
+    assert claims.gpu_sentence().endswith(f"two ({gpu}), old-gpu (gpu: 1 x NVIDIA H200); every other row on a CPU.")

@@ -71,6 +71,22 @@ def test_auto_settings_keep_the_cpu_behaviour():
     assert linjax.LinearizeConfig(kernel="pallas").uses_pallas()
 
 
+def test_a_run_names_the_devices_it_ran_on(monkeypatch):
+    from linjax import platform
+    Device = type("Device", (), {})
+
+    def devices(platform_name, kind, count):
+        made = [Device() for _ in range(count)]
+        for d in made:
+            d.platform, d.device_kind = platform_name, kind
+        return made
+
+    monkeypatch.setattr(jax, "devices", lambda *a: devices("gpu", "NVIDIA H200", 8))
+    assert platform.device_description() == "gpu: 8 x NVIDIA H200"
+    monkeypatch.setattr(jax, "devices", lambda *a: devices("cpu", "cpu", 1))
+    assert platform.device_description() == "cpu"
+
+
 def test_policy_settings_are_checked():
     assert TrainSection(remat="full").remat_policy() == "full"
     assert TrainSection(remat="layer").remat_policy() == "dots"

@@ -47,6 +47,7 @@ def test_resume_refuses_a_changed_experiment_and_records_a_longer_run(tiny_sourc
     assert record["train"]["steps"] == 3
     assert [h["event"] for h in record["history"]] == ["start", "resume"]
     assert record["history"][1]["at_step"] == 2
+    assert [h["device"] for h in record["history"]] == ["cpu", "cpu"]  # each start names what it ran on
     assert record["history"][1]["changed"] == {"train.checkpoint_every": [2, 1], "train.steps": [2, 3]}
     with open(run_dir / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]

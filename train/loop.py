@@ -51,6 +51,7 @@ from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_tr
 from linjax.experiment import OPERATIONAL, describe_changes, setting_changes
 from linjax.files import recover_interrupted_swap, write_json, write_text, writer_lock
 from linjax.layers import Trainable
+from linjax.platform import device_description
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
 from linjax.train import sharding
 from linjax.train.data import build_dataset
@@ -230,21 +231,22 @@ def _refuse_other_settings(stored: dict, record: dict, run_dir: str) -> None:
 
 def _run_record(config, run_dir: str, step: int, inputs: dict) -> dict:
     """config.json for a run (re)starting at `step`: the experiment, its inputs' fingerprints, and its
-    history of starts and resumptions. A resumption whose settings change the experiment, or whose
+    history of starts and resumptions, each naming the devices it ran on. A resumption whose settings change the experiment, or whose
     inputs changed (unless allowed), is refused (ValueError)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     record = config.to_dict()
     stored = _stored_record(run_dir)
     if step == 0 or stored is None:  # nothing trained yet: a fresh start
         return {**record, "inputs": inputs,
-                "history": [{"event": "start", "time": now, "steps": config.train.steps}]}
+                "history": [{"event": "start", "time": now, "steps": config.train.steps,
+                             "device": device_description()}]}
     history = stored.pop("history", [])
     _refuse_other_settings(stored, record, run_dir)
     changed_inputs = fingerprint.check(stored.pop("inputs", None), inputs, run_dir, "resuming it")
     if config.train.steps < step:
         raise ValueError(f"train.steps={config.train.steps} is below the step of the last checkpoint in {run_dir} "
                          f"({step}); resume with train.steps ≥ {step}")
-    entry = {"event": "resume", "time": now, "at_step": step}
+    entry = {"event": "resume", "time": now, "at_step": step, "device": device_description()}
     changed = setting_changes(stored, record, ignore=("eval",))  # operational changes, recorded
     if changed:
         entry["changed"] = {k: list(v) for k, v in changed.items()}
