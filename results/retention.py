@@ -2,6 +2,7 @@
 
     python results/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
     python results/retention.py perplexity [--windows N]           # WikiText-2 with retention on and off
+    python results/retention.py lambada [--limit N]                # LAMBADA with retention on and off
     python results/retention.py report                             # results/retention.md from the cells written
 
 The grid: S-NIAH 1, 2 and 3 (RULER's niah_single_1/2/3) at 1,024, 2,048 and 4,096 tokens, 20 samples
@@ -29,6 +30,11 @@ same 128-token budget) and 8 + 56 as trained. The readings take turns window by 
 after every window (results/retention/wikitext2-<reading>.json), so a stopped run goes on from where it
 was and the readings always share their first windows; `report` compares them on those windows with the
 claims' paired bootstrap over articles, against the final recipe's seed spread on the same windows.
+
+`lambada` scores LAMBADA (OpenAI), the first 1,000 examples as the claims table's columns, the same three
+readings one after another, as `linjax eval lambada` does (results/retention/lambada-<reading>.json, saved
+after every batch, so a stopped run goes on); `report` compares their accuracy example by example (a paired
+bootstrap over examples) against the final recipe's seed spread on the same examples.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+
+import numpy as np
 
 from linjax.files import write_text
 
@@ -84,6 +92,8 @@ READINGS = {  # name -> (what it is, window, retained), all with SINKS sinks
     "as-trained": ("final recipe as trained (8 + 56)", WINDOW, 0),
 }
 SEED_ROWS = ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2")  # the final recipe's two seeds
+SEED_ROWS_LAMBADA = ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed3")  # the two with all of LAMBADA scored
+LAMBADA_EXAMPLES = 1000  # the claims table's LAMBADA columns
 
 # The issue's claim: S-NIAH-1 at 2,048 tokens with a 128-token total cache.
 CLAIM_TASK, CLAIM_LENGTH, CLAIM_BUDGET, CLAIM_ACCURACY = "niah1", 2048, 128, 0.8
@@ -192,16 +202,20 @@ def claims_module():
     return module
 
 
+def _read(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def ppl_path(reading: str) -> str:
     return os.path.join(CELLS, f"wikitext2-{reading}.json")
 
 
 def read_ppl(reading: str):
     """The reading's per-window results ({'article', 'nll', 'tokens', ...}), or None."""
-    if not os.path.exists(ppl_path(reading)):
-        return None
-    with open(ppl_path(reading)) as f:
-        return json.load(f)
+    return _read(ppl_path(reading))
 
 
 def perplexity(windows: int = PPL_WINDOWS) -> None:
@@ -232,6 +246,84 @@ def perplexity(windows: int = PPL_WINDOWS) -> None:
             "complete": index + 1 == len(texts), **scores, "article": articles[:index + 1]})
 
     score_in_turn(readings, save, progress=True)
+
+
+def lambada_path(reading: str) -> str:
+    return os.path.join(CELLS, f"lambada-{reading}.json")
+
+
+def lambada(limit: int = LAMBADA_EXAMPLES) -> None:
+    """Scores the first `limit` LAMBADA examples with every reading in turn, saving after each batch."""
+    from linjax.eval import lambada as scorer
+    from linjax.eval.models import load_model
+    from linjax.files import write_json
+    from linjax.linearize import with_budget
+
+    claims = claims_module()
+    model, tokenizer, _ = load_model(os.path.join(ROOT, TRAINED_RUN))
+    texts = scorer.read_texts(claims.DATA, limit)
+    for reading, (label, window, retain) in READINGS.items():
+        earlier = _read(lambada_path(reading)) or {"examples": []}
+        if earlier.get("limit", limit) != limit:
+            sys.exit(f"{os.path.relpath(lambada_path(reading), ROOT)} scored the first {earlier['limit']} examples; "
+                     f"score with --limit {earlier['limit']}, or move it away")
+        done = earlier["examples"]
+        if len(done) >= len(texts):
+            continue
+
+        def save(results, reading=reading, label=label, window=window, retain=retain, done=done):
+            examples = done + results
+            write_json(lambada_path(reading), {
+                "model": TRAINED_RUN, "reading": label, "sinks": SINKS, "window": window, "retain": retain,
+                "retain_score": "recall" if retain else None, "limit": limit,
+                "complete": len(examples) == len(texts), **scorer.summary(examples), "examples": examples})
+
+        print(f"{reading}: LAMBADA examples {len(done) + 1}-{len(texts)}")
+        reader = with_budget(model, sinks=SINKS, window=window, retain=retain)
+        scorer.score(reader, tokenizer, texts, progress=True, on_batch=save, done=len(done))
+
+
+def paired_accuracy_difference(a: list[bool], b: list[bool], draws: int = 10_000, seed: int = 0):
+    """(point, low, high): accuracy of `a` minus that of `b` on the same examples, in points, with its 95%
+    percentile interval from resampling examples."""
+    diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(diff), (draws, len(diff)))
+    means = diff[picks].mean(axis=1)
+    return tuple(100 * float(x) for x in (diff.mean(), np.percentile(means, 2.5), np.percentile(means, 97.5)))
+
+
+def lambada_lines() -> list[str]:
+    """The report's LAMBADA section: each reading's accuracy on the examples all have, and retention's
+    paired difference from the others, beside the seed spread on the same examples."""
+    from linjax.eval.lambada import summary
+
+    scored = {reading: _read(lambada_path(reading)) for reading in READINGS}
+    lines = ["## LAMBADA with retention on", ""]
+    if any(v is None or not v["examples"] for v in scored.values()):
+        return lines + ["Not run yet: `python results/retention.py lambada`.", ""]
+    n = min(len(v["examples"]) for v in scored.values())
+    correct = {r: [e["greedy"] for e in v["examples"][:n]] for r, v in scored.items()}
+    lines += [f"LAMBADA (OpenAI), the first {n} examples, the final recipe read three ways, scored as `linjax eval "
+              "lambada` scores them (lm-eval's lambada_openai); Δ: accuracy with retention minus the other's, in "
+              "points, 95% paired bootstrap interval over examples.", "",
+              "| reading | acc | ppl | retained minus this: Δ acc [95%] |", "|---|---|---|---|"]
+    for reading, (label, _, _) in READINGS.items():
+        examples = scored[reading]["examples"][:n]
+        figures = summary(examples)
+        delta = "—" if reading == "retained" else "{:+.1f} [{:+.1f}, {:+.1f}]".format(
+            *paired_accuracy_difference(correct["retained"], correct[reading]))
+        lines.append(f"| {label} | {100 * figures['acc']:.1f} | {figures['perplexity']:.2f} | {delta} |")
+    claims = claims_module()
+    seeds = [_read(os.path.join(claims.eval_dir(row), "lambada-full.json")) for row in SEED_ROWS_LAMBADA]
+    if all(s is not None and len(s["examples"]) >= n for s in seeds):
+        spread = abs(paired_accuracy_difference(*([e["greedy"] for e in s["examples"][:n]] for s in seeds))[0])
+        worst = -min(paired_accuracy_difference(correct["retained"], correct[r])[0] for r in READINGS
+                     if r != "retained")
+        verdict = "within" if worst <= spread else "beyond"
+        lines += ["", f"Seed spread on the same examples: |seed 1 − seed 3| = {spread:.1f} points. Retention's "
+                  f"largest loss against the others is {worst:.1f} points: **{verdict} the seed spread** (the issue "
+                  "asks that it not get worse by more)."]
+    return lines + [""]
 
 
 def perplexity_lines() -> list[str]:
@@ -417,7 +509,7 @@ def report_text() -> str:
         beats = retention.interval[0] > window_only.interval[1]
         lines.append(f"- weaker, not the issue's claim: retention by recall beats window-only with non-overlapping "
                      f"95% intervals: **{'holds' if beats else 'undecided (intervals overlap)'}**")
-    lines += [""] + perplexity_lines()
+    lines += [""] + perplexity_lines() + lambada_lines()
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -435,6 +527,9 @@ def main(argv=None):
     runner.add_argument("--dry-run", action="store_true", help="print the commands without running them")
     scorer = sub.add_parser("perplexity", help="WikiText-2 with retention on and off, resumable")
     scorer.add_argument("--windows", type=int, default=PPL_WINDOWS, help=f"windows to score (default {PPL_WINDOWS})")
+    lambada_parser = sub.add_parser("lambada", help="LAMBADA with retention on and off, resumable")
+    lambada_parser.add_argument("--limit", type=int, default=LAMBADA_EXAMPLES,
+                                help=f"the first N examples (default {LAMBADA_EXAMPLES})")
     sub.add_parser("report", help="write results/retention.md from the cells written")
     args = parser.parse_args(argv)
     if args.command == "run":
@@ -443,6 +538,10 @@ def main(argv=None):
         if args.windows < 1:
             parser.error(f"--windows must be at least 1, got {args.windows}")
         perplexity(args.windows)
+    elif args.command == "lambada":
+        if args.limit < 1:
+            parser.error(f"--limit must be at least 1, got {args.limit}")
+        lambada(args.limit)
     else:
         report()
 

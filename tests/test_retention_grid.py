@@ -184,3 +184,75 @@ def test_wikitext_section_judges_retention_by_paired_intervals_and_the_seed_spre
     write_readings(grid, {"retained": 3.60, "window-120": 3.50, "as-trained": 3.52})
     assert "**beyond the seed spread**" in "\n".join(grid.perplexity_lines())
 
+
+
+def write_lambada(grid, correct_by_reading, n=10):
+    """Each reading's LAMBADA file with its first `correct` of `n` examples right."""
+    os.makedirs(grid.CELLS, exist_ok=True)
+    for reading, correct in correct_by_reading.items():
+        examples = [{"loglikelihood": -1.0, "greedy": i < correct, "target_tokens": 1} for i in range(n)]
+        with open(grid.lambada_path(reading), "w") as f:
+            json.dump({"limit": n, "examples": examples}, f)
+
+
+def test_lambada_section_judges_retention_example_by_example_against_the_seed_spread(grid, monkeypatch, tmp_path):
+    claims = grid.claims_module()
+    monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / row))
+    monkeypatch.setattr(grid, "claims_module", lambda: claims)
+    assert "Not run yet" in "\n".join(grid.lambada_lines())
+    for row, correct in zip(grid.SEED_ROWS_LAMBADA, (3, 4)):  # seed spread: 10 points on 10 examples
+        os.makedirs(tmp_path / row)
+        (tmp_path / row / "lambada-full.json").write_text(json.dumps(
+            {"examples": [{"greedy": i < correct, "loglikelihood": -1.0} for i in range(12)]}))
+    write_lambada(grid, {"retained": 4, "window-120": 5, "as-trained": 3})
+    text = "\n".join(grid.lambada_lines())
+    assert "the first 10 examples" in text and "| 40.0 | 2.72 |" in text
+    assert "+10.0 [+0.0, +30.0]" in text and "-10.0 [-30.0, +0.0]" in text
+    assert "|seed 1 − seed 3| = 10.0 points" in text and "**within the seed spread**" in text
+    write_lambada(grid, {"retained": 2, "window-120": 5, "as-trained": 3})
+    assert "largest loss against the others is 30.0 points: **beyond the seed spread**" in "\n".join(
+        grid.lambada_lines())
+
+
+def test_lambada_scores_each_reading_and_goes_on_where_it_stopped(grid, monkeypatch, tmp_path, tokenizer):
+    """`lambada` on a tiny linearized model: every reading's file, their budgets as the three readings', and
+    a stopped run finishes the examples it lacks without scoring the others again."""
+    from flax import nnx
+
+    import linjax
+    from linjax.config import tiny_config
+    from linjax.eval import lambada as scorer
+    from linjax.eval import models
+    from linjax.model import CausalLM
+
+    base = CausalLM(tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                max_position_embeddings=512), rngs=nnx.Rngs(0))
+    model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8))
+    monkeypatch.setattr(models, "load_model", lambda spec: (model, tokenizer, spec))
+    words = "the cat sat on a mat and looked at the dog".split()
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(40 + 10 * i)) for i in range(5)]  # to ~140 tokens
+    (tmp_path / "data" / "lambada").mkdir(parents=True)
+    (tmp_path / "data" / "lambada" / "lambada_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                                           for t in texts))
+    claims = grid.claims_module()
+    monkeypatch.setattr(claims, "DATA", str(tmp_path / "data"))
+    monkeypatch.setattr(grid, "claims_module", lambda: claims)
+    scored = []
+    real_score = scorer.score
+    monkeypatch.setattr(scorer, "score", lambda *a, **k: scored.append(k["done"]) or real_score(*a, **k))
+
+    grid.lambada(limit=3)
+    first = {r: json.load(open(grid.lambada_path(r))) for r in grid.READINGS}
+    assert all(f["complete"] and len(f["examples"]) == 3 for f in first.values())
+    assert [(f["window"], f["retain"]) for f in first.values()] == [(56, 64), (120, 0), (56, 0)]
+    with pytest.raises(SystemExit, match="scored the first 3 examples"):
+        grid.lambada(limit=5)
+    for r in grid.READINGS:  # as if stopped after 3 of 5
+        data = json.load(open(grid.lambada_path(r)))
+        json.dump({**data, "limit": 5, "complete": False}, open(grid.lambada_path(r), "w"))
+    scored.clear()
+    grid.lambada(limit=5)
+    assert scored == [3, 3, 3]
+    for r in grid.READINGS:
+        data = json.load(open(grid.lambada_path(r)))
+        assert data["complete"] and data["examples"][:3] == first[r]["examples"] and len(data["examples"]) == 5
