@@ -245,6 +245,8 @@ def test_lambada_scores_each_reading_and_goes_on_where_it_stopped(grid, monkeypa
     first = {r: json.load(open(grid.lambada_path(r))) for r in grid.READINGS}
     assert all(f["complete"] and len(f["examples"]) == 3 for f in first.values())
     assert [(f["window"], f["retain"]) for f in first.values()] == [(56, 64), (120, 0), (56, 0)]
+    assert [os.path.getmtime(grid.lambada_path(r)) for r in ("window-120", "as-trained", "retained")] == sorted(
+        os.path.getmtime(grid.lambada_path(r)) for r in grid.READINGS)  # the slow, retained reading last
     with pytest.raises(SystemExit, match="scored the first 3 examples"):
         grid.lambada(limit=5)
     for r in grid.READINGS:  # as if stopped after 3 of 5
