@@ -231,8 +231,8 @@ def _refuse_other_settings(stored: dict, record: dict, run_dir: str) -> None:
 
 def _run_record(config, run_dir: str, step: int, inputs: dict) -> dict:
     """config.json for a run (re)starting at `step`: the experiment, its inputs' fingerprints, and its
-    history of starts and resumptions, each naming the devices it ran on. A resumption whose settings change the experiment, or whose
-    inputs changed (unless allowed), is refused (ValueError)."""
+    history of starts and resumptions, each naming the devices it ran on. A resumption whose settings
+    change the experiment, or whose inputs changed (unless allowed), is refused (ValueError)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     record = config.to_dict()
     stored = _stored_record(run_dir)
