@@ -319,8 +319,8 @@ def lambada_lines() -> list[str]:
     seeds = [_read(os.path.join(claims.eval_dir(row), "lambada-full.json")) for row in SEED_ROWS_LAMBADA]
     if all(s is not None and len(s["examples"]) >= n for s in seeds):
         spread = abs(paired_accuracy_difference(*([e["greedy"] for e in s["examples"][:n]] for s in seeds))[0])
-        worst = -min(paired_accuracy_difference(correct["retained"], correct[r])[0] for r in READINGS
-                     if r != "retained")
+        worst = 0.0 - min(paired_accuracy_difference(correct["retained"], correct[r])[0] for r in READINGS
+                          if r != "retained")  # 0.0 −: no "-0.0" where retention loses nothing
         verdict = "within" if worst <= spread else "beyond"
         lines += ["", f"Seed spread on the same examples: |seed 1 − seed 3| = {spread:.1f} points. Retention's "
                   f"largest loss against the others is {worst:.1f} points: **{verdict} the seed spread** (the issue "
