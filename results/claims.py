@@ -702,9 +702,9 @@ def report():
 
 
 # Rows trained on a lent GPU (one H200) before a run's history named its devices (train/loop.py now
-# records them in each start and resumption). GPU rows keep the CPU rows' settings: fp32, the highest
-# matmul precision and the XLA chunked kernel (`--set model.dtype=float32 --set linearize.kernel=chunked`;
-# docs/gpu.md), and are evaluated on the CPU like every other row.
+# records them in each start and resumption). bench/lent_gpu/claims.sh trains at the highest matmul
+# precision, by default with the CPU rows' fp32 and XLA chunked kernel (docs/gpu.md); every row is
+# evaluated on the CPU.
 TRAINED_ON_GPU_UNRECORDED = {row: "gpu: 1 x NVIDIA H200" for row in ("liger-gla-seed2", "liger-gla-seed3")}
 
 
@@ -722,13 +722,19 @@ def training_devices(row):
 
 
 def gpu_sentence():
-    """Which rows trained on a GPU (from their runs' histories), for claims.md."""
-    rows = {row: training_devices(row) for row in ROWS if row not in UNTRAINED}
-    on_gpu = [f"{row} ({'; '.join(devices)})" for row, devices in rows.items() if devices]
+    """Which rows trained on a GPU and with which backbone dtype and kernel (from their runs' config.json),
+    for claims.md."""
+    on_gpu = []
+    for row in ROWS:
+        devices = [] if row in UNTRAINED else training_devices(row)
+        if devices:
+            config = _load(os.path.join(run_dir(row), "config.json"))
+            on_gpu.append(f"{row} ({'; '.join(devices)}; {config['model']['dtype']}, the "
+                          f"{config['linearize']['kernel']} kernel)")
     if not on_gpu:
         return "Every row trained on a CPU."
-    return ("Trained on a lent GPU with the CPU rows' settings (fp32, highest matmul precision, the XLA chunked "
-            f"kernel): {', '.join(on_gpu)}; every other row on a CPU.")
+    return ("Trained on a lent GPU (`bench/lent_gpu/claims.sh`, at the highest matmul precision): "
+            f"{', '.join(on_gpu)}; every other row on a CPU.")
 
 
 def seed_groups():

@@ -352,11 +352,15 @@ def test_the_rows_trained_on_a_gpu_come_from_their_runs_histories(claims, monkey
     monkeypatch.setattr(claims, "TRAINED_ON_GPU_UNRECORDED", {"old-gpu": "gpu: 1 x NVIDIA H200"})
     gpu = "gpu: 1 x NVIDIA H100 80GB HBM3"
     write_json(str(tmp_path / "one" / "config.json"), {"history": [{"event": "start"}]})  # before devices
-    write_json(str(tmp_path / "two" / "config.json"), {"history": [{"event": "start", "device": "cpu"},
-                                                                   {"event": "resume", "device": gpu}]})
-    write_json(str(tmp_path / "old-gpu" / "config.json"), {"history": [{"event": "start"}]})
+    settings = {"model": {"dtype": "float32"}, "linearize": {"kernel": "chunked"}}
+    write_json(str(tmp_path / "two" / "config.json"), {**settings, "history": [
+        {"event": "start", "device": "cpu"}, {"event": "resume", "device": gpu}]})
+    write_json(str(tmp_path / "old-gpu" / "config.json"), {"model": {"dtype": "bfloat16"},
+                                                           "linearize": {"kernel": "pallas"},
+                                                           "history": [{"event": "start"}]})
     assert claims.training_devices("one") == [] and claims.training_devices("two") == [gpu]
     assert claims.training_devices("old-gpu") == ["gpu: 1 x NVIDIA H200"]
     assert claims.training_devices("never-ran") == []
     monkeypatch.setattr(claims, "ROWS", {"one": "", "two": "", "old-gpu": ""})
-    assert claims.gpu_sentence().endswith(f"two ({gpu}), old-gpu (gpu: 1 x NVIDIA H200); every other row on a CPU.")
+    assert claims.gpu_sentence().endswith(f"two ({gpu}; float32, the chunked kernel), old-gpu (gpu: 1 x NVIDIA "
+                                          "H200; bfloat16, the pallas kernel); every other row on a CPU.")
