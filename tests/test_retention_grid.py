@@ -95,7 +95,8 @@ def test_the_claim_holds_with_retention_at_0_85_and_window_only_at_0(grid):
     write_cell(grid, "final-recall-128-niah1-2048", 17)
     write_cell(grid, "window-only-128-niah1-2048", 0)
     text = grid.report_text()
-    assert "- **holds**" in text
+    assert "- training-free: **holds**" in text
+    assert "- trained with retention: **undecided (not run)**: retention cell not run" in text
     assert "0.85 (17/20) [0.64, 0.95]" in text and "0.00 (0/20) [0.00, 0.16]" in text
     assert "non-overlapping 95% intervals: **holds**" in text
     measured = grid.Measured
@@ -107,21 +108,33 @@ def test_the_claim_does_not_hold_below_0_8_or_with_window_only_above_0(grid):
     write_cell(grid, "final-recall-128-niah1-2048", 14)
     write_cell(grid, "window-only-128-niah1-2048", 1, depths=[1.0] + [0.0] * 19)
     text = grid.report_text()
-    assert "- **does not hold**: retention scores 0.70 < 0.8; window-only scores 0.05 > 0" in text
+    assert "- training-free: **does not hold**: retention scores 0.70 < 0.8; window-only scores 0.05 > 0" in text
     assert "needle at depth 1.00 (depth 1.00: the end of the haystack" in text
     assert "| 128 | niah_single_1 |" not in text and "no cell ran with both scores yet" in text
 
 
+def test_the_claim_is_judged_for_the_run_trained_with_retention_too(grid):
+    write_cell(grid, "final-recall-128-niah1-2048", 14)
+    write_cell(grid, "trained-recall-block8-128-niah1-2048", 17)
+    write_cell(grid, "window-only-128-niah1-2048", 0)
+    text = grid.report_text()
+    assert "read as trained: 0.85 (17/20) [0.64, 0.95]" in text
+    assert "- training-free: **does not hold**: retention scores 0.70 < 0.8" in text
+    assert "- trained with retention: **holds**" in text
+    assert "training-free 0.70, not reached; trained 0.85, reached" in text
+
+
 def test_missing_or_mismatched_cells_are_not_run_and_leave_the_claim_undecided(grid):
     text = grid.report_text()
-    assert "- **undecided (not run)**" in text and "0 of 117 cells written" in text
+    assert "- training-free: **undecided (not run)**" in text and "0 of 117 cells written" in text
     assert "| niah_single_1 | 2,048 | not run | not run | not run | not run | not run |" in text
 
     write_cell(grid, "final-recall-128-niah1-2048", 10, count=10, samples=10)  # another run's settings
     write_cell(grid, "window-only-128-niah1-2048", 0)
     text = grid.report_text()
     assert "not the grid's settings: samples 10 (the grid: 20); 10 samples scored (the grid: 20)" in text
-    assert "- **undecided (not run)**: retention cell not run" in text and "1 of 117 cells written" in text
+    assert "- training-free: **undecided (not run)**: retention cell not run" in text
+    assert "1 of 117 cells written" in text
 
 
 def test_which_score_is_better_needs_non_overlapping_intervals(grid):
