@@ -460,7 +460,8 @@ def report_text() -> str:
              "Made by `python results/retention.py report` from the cells in `results/retention/` (the grid and "
              "the commands are in its docstring; `python results/retention.py run` runs the missing ones). "
              f"Each cell: `linjax eval ruler`, {SAMPLES} samples, seed {SEED}, greedy, scored by string match. "
-             f"The trained model is `{TRAINED_RUN}` (the final recipe, no further training), read at each budget; "
+             f"The trained model is `{TRAINED_RUN}` (the final recipe, no further training), read at each budget "
+             f"(the trained-with-retention column: `{RETAIN_TRAINED_RUN}`); "
              f"the baselines are `{ORIGINAL}`. {written} of {len(measured)} cells written.", "",
              "A cell: accuracy (correct / samples) [95% Wilson interval].", ""]
     variants = list(VARIANTS)

@@ -61,10 +61,10 @@ def main():
         model = linjax.linearize(base, recipe, seed=1)
         optimizer, _ = make_optimizer(settings, recipe.adapter)
         graphdef, trainable, opt_state, frozen, _ = place_train_state(model, optimizer, mesh)
-        trains = None if settings.trainable == "all" else trained_parameters(trainable, settings.trainable)
         with jax.default_matmul_precision(precision):
             step = make_train_step(graphdef, optimizer, settings.objective, mesh, remat=settings.remat_policy(),
-                                   loss_chunk=settings.loss_chunk_size(), trains=trains)
+                                   loss_chunk=settings.loss_chunk_size(),
+                                   trains=trained_parameters(trainable, settings.trainable))
             start = time.perf_counter()
             compiled = step.lower(trainable, opt_state, frozen, tokens).compile()
             compile_s = time.perf_counter() - start
