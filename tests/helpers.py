@@ -3,6 +3,7 @@
 import atexit
 import functools
 import importlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -59,6 +60,18 @@ def environment_with_user_xla_flags(**extra) -> dict:
     else:
         env.pop("XLA_FLAGS", None)
     return env
+
+
+def results_script(filename: str, register=None):
+    """A fresh module of `results/<filename>` (the results scripts are files, not a package). `register`:
+    called with (name, module) before the module runs, for one whose dataclasses look it up in sys.modules."""
+    name = os.path.splitext(filename)[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "results", filename))
+    module = importlib.util.module_from_spec(spec)
+    if register is not None:
+        register(name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 def under_ci() -> bool:

@@ -1,21 +1,19 @@
 """results/claims.py's paired bootstrap over articles: a known difference is found, none is undecided."""
 
-import importlib.util
 import math
 import os
 
 import numpy as np
 import pytest
 
+from tests.helpers import results_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def claims():
-    spec = importlib.util.spec_from_file_location("claims", os.path.join(ROOT, "results", "claims.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return results_script("claims.py")
 
 
 def scored_rows(per_token_difference, seed=0, articles=60, windows_per_article=5, tokens=1023):

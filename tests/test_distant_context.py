@@ -1,8 +1,6 @@
 """results/distant_context.py: the swap leaves the 64-token cache as it is, and its report's arithmetic."""
 
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
@@ -10,16 +8,11 @@ import pytest
 import linjax
 from linjax.eval.perplexity import token_nll_function
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from tests.helpers import results_script
 
 @pytest.fixture(scope="module")
 def distant():
-    path = os.path.join(ROOT, "results", "distant_context.py")
-    spec = importlib.util.spec_from_file_location("distant_context", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return results_script("distant_context.py")
 
 
 def test_donors_start_in_another_article_and_only_the_middle_is_swapped(distant):

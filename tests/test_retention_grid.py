@@ -1,6 +1,5 @@
 """results/retention.py: issue 37's S-NIAH grid, its cell names and commands, and the report's verdicts."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -9,16 +8,16 @@ import pytest
 
 from linjax.app.cli import build_parser
 
+from tests.helpers import results_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
 def grid(tmp_path, monkeypatch):
     """The module, reading and writing its cells under tmp_path."""
-    spec = importlib.util.spec_from_file_location("retention_grid", os.path.join(ROOT, "results", "retention.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "retention_grid", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    # dataclasses look their module up in sys.modules
+    module = results_script("retention.py", register=lambda name, m: monkeypatch.setitem(sys.modules, name, m))
     monkeypatch.setattr(module, "CELLS", str(tmp_path / "retention"))
     monkeypatch.setattr(module, "REPORT", str(tmp_path / "retention.md"))
     return module

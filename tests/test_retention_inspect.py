@@ -1,21 +1,15 @@
 """results/retention_inspect.py: finding a needle's tokens, reading the retained slots, summing a cell up."""
 
-import importlib.util
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from tests.helpers import results_script
 
 @pytest.fixture(scope="module")
 def inspect_module():
-    spec = importlib.util.spec_from_file_location("retention_inspect", os.path.join(ROOT, "results", "retention_inspect.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return results_script("retention_inspect.py")
 
 
 def test_token_span_finds_the_needle_and_its_value(inspect_module, tokenizer):
