@@ -288,8 +288,8 @@ def _run_chain(rows, only, settings, log_dir):
                 if status:
                     outcome[row] = f"training {stage} exited with {status}"
                     break
-            else:
-                status = _call([sys.executable, os.path.abspath(__file__), "evaluate", row, "--only", only], log)
+            else:  # `--only ""`: train only (a lent GPU trains; this machine evaluates, as every other row)
+                status = only and _call([sys.executable, os.path.abspath(__file__), "evaluate", row, "--only", only], log)
                 outcome[row] = f"evaluation exited with {status}" if status else None
         if outcome[row]:
             outcome.update({later: f"not run: {row} failed" for later in rows[position + 1:]})
@@ -323,7 +323,7 @@ def run_rows(rows, only, jobs, settings, log_dir=RUN_LOGS):
         for done in concurrent.futures.as_completed(running):
             for row, problem in done.result().items():
                 failed += problem is not None
-                print(f"{row}: {problem or 'trained and evaluated'} "
+                print(f"{row}: {problem or ('trained and evaluated' if only else 'trained')} "
                       f"(log: {os.path.relpath(os.path.join(log_dir, row + '.log'), ROOT)})", flush=True)
     return failed
 
@@ -932,7 +932,7 @@ def main():
     run = sub.add_parser("run", help="train (resuming) and evaluate rows; --jobs N runs N chains at once")
     run.add_argument("rows", nargs="+")
     run.add_argument("--jobs", type=int, default=1, help="chains at a time (1; a GPU holds several)")
-    run.add_argument("--only", default=RUN_EVALUATIONS, help=f"evaluations after training ({RUN_EVALUATIONS})")
+    run.add_argument("--only", default=RUN_EVALUATIONS, help=f"evaluations after training ({RUN_EVALUATIONS}; \"\": none)")
     run.add_argument("--set", action="append", default=[], metavar="section.key=value",
                      help="passed to `linjax train` (model.dtype=float32 keeps a GPU run at the CPU rows' precision)")
     sub.add_parser("report")

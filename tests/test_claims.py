@@ -290,6 +290,13 @@ def test_run_trains_each_stage_once_then_evaluates_in_chains(claims, monkeypatch
     assert "b1: trained and evaluated (log: " in capsys.readouterr().out
 
 
+def test_run_with_no_evaluations_only_trains(claims, monkeypatch, tmp_path, capsys):
+    calls = fake_rows(claims, monkeypatch)
+    assert claims.run_rows(["b1", "a"], "", 1, [], str(tmp_path)) == 0
+    assert calls == [("train", "b0"), ("train", "b1"), ("train", "a")]
+    assert "a: trained (log: " in capsys.readouterr().out
+
+
 def test_run_ends_a_chain_at_its_first_failure_and_counts_it(claims, monkeypatch, tmp_path, capsys):
     calls = fake_rows(claims, monkeypatch, fails={"b0"})
     assert claims.run_rows(["b1", "b2", "a"], "perplexity", 2, [], str(tmp_path)) == 2
