@@ -8,7 +8,7 @@ import tarfile
 out, rows = sys.argv[1], sys.argv[2:]
 runs = "results/runs"
 present = [r for r in os.listdir(runs) if os.path.isdir(os.path.join(runs, r))] if os.path.isdir(runs) else []
-order = [r for r in rows if r in present]
+order = [r for r in dict.fromkeys(rows) if r in present]  # a row may be given again as a stage of another
 finished = [r for r in order if os.path.exists(os.path.join(runs, r, "linjax.json"))]
 unfinished = [r for r in order if r not in finished]
 LIMIT, TOTAL = 15 * 2**20, 58 * 2**20

