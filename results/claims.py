@@ -289,7 +289,8 @@ def _run_chain(rows, only, settings, log_dir):
                     outcome[row] = f"training {stage} exited with {status}"
                     break
             else:  # `--only ""`: train only (a lent GPU trains; this machine evaluates, as every other row)
-                status = only and _call([sys.executable, os.path.abspath(__file__), "evaluate", row, "--only", only], log)
+                evaluate = [sys.executable, os.path.abspath(__file__), "evaluate", row, "--only", only]
+                status = only and _call(evaluate, log)
                 outcome[row] = f"evaluation exited with {status}" if status else None
         if outcome[row]:
             outcome.update({later: f"not run: {row} failed" for later in rows[position + 1:]})
@@ -932,7 +933,8 @@ def main():
     run = sub.add_parser("run", help="train (resuming) and evaluate rows; --jobs N runs N chains at once")
     run.add_argument("rows", nargs="+")
     run.add_argument("--jobs", type=int, default=1, help="chains at a time (1; a GPU holds several)")
-    run.add_argument("--only", default=RUN_EVALUATIONS, help=f"evaluations after training ({RUN_EVALUATIONS}; \"\": none)")
+    run.add_argument("--only", default=RUN_EVALUATIONS,
+                     help=f"evaluations after training ({RUN_EVALUATIONS}; \"\": none, train only)")
     run.add_argument("--set", action="append", default=[], metavar="section.key=value",
                      help="passed to `linjax train` (model.dtype=float32 keeps a GPU run at the CPU rows' precision)")
     sub.add_parser("report")
