@@ -10,6 +10,7 @@ from linjax.eval.perplexity import token_nll_function
 
 from tests.helpers import results_script
 
+
 @pytest.fixture(scope="module")
 def distant():
     return results_script("distant_context.py")
