@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import linjax
 from linjax import fingerprint, train
-from linjax.app import hugepages, latency_cli, pipeline, watchdog
+from linjax.app import compilation_cache, hugepages, latency_cli, pipeline, watchdog
 from linjax.app.arguments import non_negative_float, non_negative_int
 from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.app.eval_cli import add_eval_parser
@@ -322,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
         hugepages.reexec_module_with_huge_pages("linjax.app.cli", sys.argv[1:])
+        compilation_cache.enable()  # each call is a new process: reuse the programs earlier calls compiled
     # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     watchdog.dump_stacks_on_sigusr1()
