@@ -101,18 +101,29 @@ def simulate(inputs, *, sinks, window, retain, score, scale):
 def test_every_token_is_in_one_place_and_the_layer_matches_a_brute_force_simulation(base, score):
     model = linjax.linearize(base, gdn_settings(retain=RETAIN, retain_score=score), seed=1)
     mixer = model.layers[0].attn
-    T = 18
-    x = jax.random.normal(jax.random.key(3), (1, T, base.config.hidden_size))
+    x, positions, inputs = layer_inputs(mixer, 18, base.config.hidden_size)
+    expected, history = simulate(inputs, sinks=SINKS, window=WINDOW, retain=RETAIN, score=score, scale=mixer.scale)
+    assert_decode_matches(mixer, x, positions, expected, history)
+
+
+def layer_inputs(mixer, T: int, hidden: int):
+    """A random input x [1, T, hidden], its positions, and what the simulations read: the pretrained
+    q, k, v, the linear part's q', k', v and its gates."""
+    x = jax.random.normal(jax.random.key(3), (1, T, hidden))
     positions = jnp.arange(T)[None]
     q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
     lq, lk = mixer.features(q, k)
     log_alpha, beta = mixer.gates(x, lk)
-    expected, history = simulate((q, k, v, lq, lk, v, log_alpha, beta), sinks=SINKS, window=WINDOW,
-                                 retain=RETAIN, score=score, scale=mixer.scale)
-    assert any(len(h[0]) == RETAIN for h in history) and history[-1][0] != history[-1][1]  # slots fill, heads differ
+    return x, positions, (q, k, v, lq, lk, v, log_alpha, beta)
+
+
+def assert_decode_matches(mixer, x, positions, expected, history):
+    """Decoding x token by token holds the simulation's retained positions (per kv head) and gives its
+    outputs at every step; the slots fill and the kv heads keep different tokens."""
+    assert any(len(h[0]) == RETAIN for h in history) and history[-1][0] != history[-1][1]
     step, params = jitted_mixer(mixer)
-    state = mixer.init_state(1, T)
-    for t in range(T):
+    state = mixer.init_state(1, x.shape[1])
+    for t in range(x.shape[1]):
         out, state = step(params, x[:, t:t + 1], positions[:, t:t + 1], state)
         held = np.asarray(state.window.retained.position[0])  # [R, Hkv]
         assert [sorted(p for p in held[:, g] if p >= 0) for g in range(held.shape[1])] == history[t], t

@@ -14,7 +14,8 @@ from flax import nnx
 
 import linjax
 from kernels import retention
-from tests.test_retention import RETAIN, SINKS, base, gdn_settings  # noqa: F401 (base: the fixture)
+from tests.test_retention import (RETAIN, SINKS, assert_decode_matches, base, gdn_settings,  # noqa: F401 (base: the fixture)
+                                  layer_inputs)
 
 WINDOW = 4  # one more than test_retention's, so a block of 4 fits
 
@@ -79,24 +80,10 @@ def simulate(inputs, *, sinks, window, retain, block, score, scale):
 def test_every_token_is_in_one_place_and_the_layer_matches_a_brute_force_simulation(base, block, score):
     model = linjax.linearize(base, settings(retain_block=block, retain_score=score), seed=1)
     mixer = model.layers[0].attn
-    T = 22
-    x = jax.random.normal(jax.random.key(3), (1, T, base.config.hidden_size))
-    positions = jnp.arange(T)[None]
-    q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
-    lq, lk = mixer.features(q, k)
-    log_alpha, beta = mixer.gates(x, lk)
-    expected, history = simulate((q, k, v, lq, lk, v, log_alpha, beta), sinks=SINKS, window=WINDOW,
-                                 retain=RETAIN, block=block, score=score, scale=mixer.scale)
-    assert any(len(h[0]) == RETAIN for h in history) and history[-1][0] != history[-1][1]  # slots fill, heads differ
-    graphdef, params = nnx.split(mixer)
-    step = jax.jit(lambda params, x, positions, state: nnx.merge(graphdef, params)(x, positions, state))
-    state = mixer.init_state(1, T)
-    for t in range(T):
-        out, state = step(params, x[:, t:t + 1], positions[:, t:t + 1], state)
-        held = np.asarray(state.window.retained.position[0])  # [R, Hkv]
-        assert [sorted(p for p in held[:, g] if p >= 0) for g in range(held.shape[1])] == history[t], t
-        want = mixer.proj.out(jnp.asarray(expected[t][None, None], jnp.float32), mixer.lora)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=1e-4)
+    x, positions, inputs = layer_inputs(mixer, 22, base.config.hidden_size)
+    expected, history = simulate(inputs, sinks=SINKS, window=WINDOW, retain=RETAIN, block=block, score=score,
+                                 scale=mixer.scale)
+    assert_decode_matches(mixer, x, positions, expected, history)
     whole = mixer(x[:, :20], positions[:, :20])  # training: blocks scanned, no cache
     np.testing.assert_allclose(np.asarray(whole[0]), np.asarray(mixer.proj.out(
         jnp.asarray(expected[:20], jnp.float32)[None], mixer.lora))[0], atol=2e-5, rtol=1e-4)
