@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -325,6 +326,19 @@ class _StopRequests:
         return signum or None
 
 
+def _plain_lines(run_dir: str, enabled: bool):
+    """`say(text)`: what a log without a progress bar (`--no-progress`) shows of a run, on stderr as it
+    happens: the model ready, the first step (mostly compilation) and each checkpoint, so that a run
+    that seems stuck shows whether it is loading, compiling or stepping."""
+    name = os.path.basename(run_dir)
+
+    def say(text: str) -> None:
+        if enabled:
+            print(f"{name}: {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run(config, resume: bool = False, progress: bool = True, allow_changed_inputs: bool = False,
         load_finished: bool = True):
     """Trains as `config` (an ExperimentConfig) says; returns the trained model. `resume`: continue the
@@ -373,6 +387,8 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
     if jax.process_index() == 0:
         write_json(os.path.join(run_dir, "config.json"), record)
 
+    began = time.perf_counter()
+    say = _plain_lines(run_dir, enabled=not progress and jax.process_index() == 0)
     model, tokenizer = linjax.load(config.model.source, dtype=config.model.dtype)
     if tokenizer is None:
         raise ValueError(f"{config.model.source} has no tokenizer; training needs one to read text")
@@ -383,6 +399,7 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
     optimizer, schedule = make_optimizer(tc, config.linearize.adapter)
     graphdef, trainable, opt_state, frozen, runs = place_train_state(model, optimizer, mesh)
     trains = None if tc.trainable == "all" else trained_parameters(trainable, tc.trainable)
+    parameters = linjax.trainable_parameter_count(model)
     del model  # frees the per-layer weights, which the stacked copies replace
     dataset = build_dataset(config.data, tokenizer, seq_len=tc.seq_len, batch_size=tc.batch_size, seed=tc.seed)
 
@@ -406,6 +423,8 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
     train_step = make_train_step(graphdef, optimizer, tc.objective, mesh, remat=tc.remat_policy(),
                                  loss_chunk=tc.loss_chunk_size(), trains=trains)
     tokens_per_step = tc.batch_size * tc.seq_len
+    say(f"model loaded and linearized ({parameters:,} new parameters) in {time.perf_counter() - began:.0f} s; "
+        f"step {step + 1} of {tc.steps} next, compiled first")
     try:
         bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not progress or jax.process_index() != 0,
                    dynamic_ncols=True)
@@ -433,8 +452,12 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
                 heartbeat.progress()
+                if step == start_step + 1:
+                    say(f"step {step} took {elapsed:.1f} s (its compilation included), loss {metrics['loss']:.4f}")
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save(step)
+                    say(f"step {step} of {tc.steps}: loss {metrics['loss']:.4f}, "
+                        f"{record['tokens_per_s']:,.0f} tokens/s; checkpoint saved")
         bar.close()
     finally:
         manager.close()  # stops orbax's background threads (many runs may share a process)
