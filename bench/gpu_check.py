@@ -185,7 +185,7 @@ def part_kernels(args, sizes, T: int):
     import jax
     import jax.numpy as jnp
 
-    from linjax.kernels import gdn, gla, kgla, swa
+    from linjax.kernels import gdn, gla, kgla, linear_attn, swa
 
     B, H, D = (sizes["kernel_shape"][k] for k in "BHD")
     dtype = jnp.dtype(sizes["dtype"])
@@ -197,7 +197,10 @@ def part_kernels(args, sizes, T: int):
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H)))
     mechanisms = {"gdn": (gdn, (q, k, v, log_alpha, beta), {}), "gla": (gla, (q, k, v, log_alpha), {}),
                   "kgla": (kgla, (q, k, v, log_alpha, beta), {}), "sinks+window": (swa, (q, k, v),
-                                                                                  dict(sinks=8, window=56))}
+                                                                                  dict(sinks=8, window=56)),
+                  # LoLCATs' form (Hedgehog): positive features, fp32, values with a column of ones (D + 1 wide)
+                  "hedgehog": (linear_attn, (jax.nn.softmax(q.astype(jnp.float32)), jax.nn.softmax(k.astype(
+                      jnp.float32)), v), dict(normalize=False))}
     if args.smoke:  # the plumbing only: one recurrent kernel and the window kernel (each compile costs a CPU ~20 s)
         mechanisms = {name: mechanisms[name] for name in ("gdn", "sinks+window")}
     methods = [(mech, kernel) for mech in mechanisms for kernel in ("pallas", "chunked")
