@@ -14,6 +14,10 @@ log2(chunk) calls, each shape compiled once). Splitting a prefill anywhere gives
 the same result as one pass (tested for every mixer); the whole pieces come
 first so that they start at multiples of the chunk, where a mixer that works
 in blocks (retained tokens with `retain_block`) runs its block form.
+
+Each prefill shape is one program with the layers scanned (one block traced and
+compiled per run of identical layers; the weights stacked once per `generate`
+call), and the one-token step one with the layer loop (no stacking per token).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from linjax import heartbeat
+from linjax.scan import layer_runs, stack_layers, unstack_layers
 
 
 @functools.lru_cache(maxsize=8)
@@ -73,7 +78,12 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
         raise ValueError(f"cache_length {cache_length} is too small for {prompt_len} prompt tokens + "
                          f"{max_new_tokens} new ones; pass at least {needed}")
     graphdef, params = nnx.split(model)
-    forward = _compiled_forward(graphdef)
+    forward = functools.partial(_compiled_forward(graphdef), params)
+    prefill = forward
+    if getattr(model, "scan_layers", None) == "forward" and prompt_len > 1:
+        # Stacked once here, not at every piece: the scanned program reads the stack in place.
+        stacked = stack_layers(params, layer_runs(model.layers))
+        prefill = functools.partial(_compiled_stacked_forward(_scanning_layers(graphdef, params)), stacked)
 
     def choose(logits, key):
         if temperature > 0:
@@ -82,7 +92,7 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
 
     key = jax.random.key(seed)
     states = model.init_states(batch, cache_length or needed)
-    logits, states = _prefill(forward, params, tokens, states, prefill_chunk)
+    logits, states = _prefill(prefill, forward, tokens, states, prefill_chunk)
     finished = np.zeros(batch, bool)
     new = []
     for i in range(max_new_tokens):
@@ -97,14 +107,39 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
             on_token(token)
         if finished.all() or i + 1 == max_new_tokens:
             break
-        logits, states = forward(params, jnp.asarray(token)[:, None], states)
+        logits, states = forward(jnp.asarray(token)[:, None], states)
     return jnp.concatenate([tokens, jnp.asarray(np.stack(new, axis=1), jnp.int32)], axis=1)
 
 
-def _prefill(forward, params, tokens, states, chunk: int | None):
-    """The last position's logits and the states after `tokens`: one call, or fixed-shape pieces."""
+@functools.lru_cache(maxsize=8)
+def _compiled_stacked_forward(graphdef):
+    """`_compiled_forward` for parameters held stacked by layer run (`linjax.scan.StackedLayers`)."""
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def forward(stacked, chunk, states):
+        logits, states = nnx.merge(graphdef, unstack_layers(stacked))(chunk, states=states)
+        return logits[:, -1].astype(jnp.float32), states
+
+    return forward
+
+
+def _scanning_layers(graphdef, params):
+    """`graphdef` with its layers scanned in calls with states too (`CausalLM.scan_layers` "always"), for
+    prefill pieces: a piece then traces and compiles one block per run of identical layers instead of
+    each layer (30 for SmolLM2), once per piece shape. One-token decode steps keep the layer loop,
+    which does not copy the weights into a stack at every call (linjax/scan.py). Same outputs
+    (tests/test_scan.py)."""
+    model = nnx.merge(graphdef, params)  # new module objects over the same arrays: nothing is copied
+    model.scan_layers = "always"
+    return nnx.graphdef(model)
+
+
+def _prefill(prefill, forward, tokens, states, chunk: int | None):
+    """The last position's logits and the states after `tokens`: one call, or fixed-shape pieces
+    (`prefill` for pieces of several tokens, `forward`, the decode step's program, for single ones)."""
+    call = lambda piece, states: (prefill if piece.shape[1] > 1 else forward)(piece, states)  # noqa: E731
     if chunk is None:
-        return forward(params, tokens, states)
+        return call(tokens, states)
     tail = tokens.shape[1] % chunk
     # Whole pieces first, then the remainder as pieces of 2^k tokens (its binary digits): a handful of
     # shapes that every prompt length shares, instead of an odd-length compilation or up to chunk − 1 steps.
@@ -112,7 +147,7 @@ def _prefill(forward, params, tokens, states, chunk: int | None):
     pieces += [1 << bit for bit in reversed(range(tail.bit_length())) if tail >> bit & 1]
     logits, start = None, 0
     for size in pieces:
-        logits, states = forward(params, tokens[:, start:start + size], states)
+        logits, states = call(tokens[:, start:start + size], states)
         start += size
         heartbeat.progress()
     return logits, states

@@ -1,5 +1,7 @@
 """Scan over layers (linjax/scan.py) against the plain layer loop: forward, decode, gradients, remat."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,22 @@ def test_scanned_prefill_and_decode_equal_the_loop(setting):
     assert len(scanned_states) == len(reference_states) == 4
     for a, b in zip(jax.tree.leaves(scanned_states), jax.tree.leaves(reference_states)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["hybrid gla w4 s2, layer 1 kept", "hedgehog + lora"])
+def test_generate_prefills_with_scanned_layers_and_decodes_like_the_loop(setting):
+    """`linjax.generate` runs its prefill pieces with the layers scanned (a block compiled per run of
+    identical layers, not per layer) and its one-token steps with the loop: the same tokens as the
+    loop everywhere ("never"), through pieces of 8, 4, 2 and 1 tokens."""
+    generating = importlib.import_module("linjax.generate")  # the module: linjax.generate is also its function
+
+    model = model_for(setting)
+    prompt = tokens(15, seed=4)
+    reference = linjax.generate(with_mode(model, "never"), prompt, 5, prefill_chunk=8)
+    before = generating._compiled_stacked_forward.cache_info().misses
+    scanned = linjax.generate(with_mode(model, "forward"), prompt, 5, prefill_chunk=8)
+    assert generating._compiled_stacked_forward.cache_info().misses == before + 1  # the scanned prefill program
+    np.testing.assert_array_equal(np.asarray(scanned), np.asarray(reference))
 
 
 def test_bad_modes_are_refused():
