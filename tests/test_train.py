@@ -100,21 +100,21 @@ def test_frozen_weights_stay_bit_identical_and_adam_keeps_two_moments(tiny_sourc
 
 
 def test_a_run_without_a_progress_bar_logs_each_phase(tiny_source, corpus, tmp_path, capfd):
-    """--no-progress (a background run's log): plain lines on stderr when the model is ready, after the
+    """--no-progress (a background run's log): plain lines on stdout when the model is ready, after the
     first step (its compilation) and at each checkpoint, so a log shows whether a run is loading,
     compiling or stepping; with the progress bar, none of them. A resumed run says where it starts."""
     train.run(experiment(tmp_path / "quiet", tiny_source, corpus, steps=4), progress=False)
-    lines = capfd.readouterr().err.splitlines()
+    lines = capfd.readouterr().out.splitlines()
     mine = [line for line in lines if line.startswith("quiet: ")]
     assert "new parameters" in mine[0] and "step 1 of 4 next" in mine[0]
     assert mine[1].startswith("quiet: step 1 took") and "compilation included" in mine[1]
     assert [line.split(":")[1].strip() for line in mine[2:]] == ["step 2 of 4", "step 4 of 4"]
     assert all("checkpoint saved" in line for line in mine[2:])
     train.run(experiment(tmp_path / "quiet", tiny_source, corpus, steps=6), resume=True, progress=False)
-    resumed = [line for line in capfd.readouterr().err.splitlines() if line.startswith("quiet: ")]
+    resumed = [line for line in capfd.readouterr().out.splitlines() if line.startswith("quiet: ")]
     assert "step 5 of 6 next" in resumed[0] and resumed[1].startswith("quiet: step 5 took")
     train.run(experiment(tmp_path / "bar", tiny_source, corpus, steps=2), progress=True)
-    assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("bar: ")]
+    assert not [line for line in capfd.readouterr().out.splitlines() if line.startswith("bar: ")]
 
 
 def test_trained_run_directory_restores_with_load(tiny_source, corpus, tmp_path, monkeypatch):

@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -327,14 +326,15 @@ class _StopRequests:
 
 
 def _plain_lines(run_dir: str, enabled: bool):
-    """`say(text)`: what a log without a progress bar (`--no-progress`) shows of a run, on stderr as it
+    """`say(text)`: what a log without a progress bar (`--no-progress`) shows of a run, on stdout as it
     happens: the model ready, the first step (mostly compilation) and each checkpoint, so that a run
-    that seems stuck shows whether it is loading, compiling or stepping."""
+    that seems stuck shows whether it is loading, compiling or stepping. (stderr keeps errors alone:
+    one line each.)"""
     name = os.path.basename(run_dir)
 
     def say(text: str) -> None:
         if enabled:
-            print(f"{name}: {text}", file=sys.stderr, flush=True)
+            print(f"{name}: {text}", flush=True)
 
     return say
 
