@@ -35,14 +35,15 @@ from linjax.scan import layer_runs, stack_layers, unstack_layers
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_forward(graphdef):
+def _compiled_forward(graphdef, stacked: bool = False):
     """One jitted (params, tokens, states) → (last logits, states) per model structure, shared by calls,
     so a second `generate` on the same model and shapes does not compile again. The states are
-    donated: caches and rings are updated in place instead of copied at every step."""
+    donated: caches and rings are updated in place instead of copied at every step. `stacked`: the
+    params are held stacked by layer run (`linjax.scan.StackedLayers`)."""
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def forward(params, chunk, states):
-        logits, states = nnx.merge(graphdef, params)(chunk, states=states)
+        logits, states = nnx.merge(graphdef, unstack_layers(params) if stacked else params)(chunk, states=states)
         return logits[:, -1].astype(jnp.float32), states
 
     return forward
@@ -81,9 +82,9 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
     forward = functools.partial(_compiled_forward(graphdef), params)
     prefill = forward
     if getattr(model, "scan_layers", None) == "forward" and prompt_len > 1:
-        # Stacked once here, not at every piece: the scanned program reads the stack in place.
+        # Stacked once per call here, not inside each piece's program.
         stacked = stack_layers(params, layer_runs(model.layers))
-        prefill = functools.partial(_compiled_stacked_forward(_scanning_layers(graphdef, params)), stacked)
+        prefill = functools.partial(_compiled_forward(_scanning_layers(graphdef, params), stacked=True), stacked)
 
     def choose(logits, key):
         if temperature > 0:
@@ -109,18 +110,6 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
             break
         logits, states = forward(jnp.asarray(token)[:, None], states)
     return jnp.concatenate([tokens, jnp.asarray(np.stack(new, axis=1), jnp.int32)], axis=1)
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_stacked_forward(graphdef):
-    """`_compiled_forward` for parameters held stacked by layer run (`linjax.scan.StackedLayers`)."""
-
-    @functools.partial(jax.jit, donate_argnums=(2,))
-    def forward(stacked, chunk, states):
-        logits, states = nnx.merge(graphdef, unstack_layers(stacked))(chunk, states=states)
-        return logits[:, -1].astype(jnp.float32), states
-
-    return forward
 
 
 def _scanning_layers(graphdef, params):
