@@ -148,6 +148,19 @@ def test_ties_keep_the_older_token_and_empty_slots_fill_first():
     assert not bool(written_valid[0, 0]) and sorted(np.asarray(cache.position[0, :, 0]).tolist()) == [5, 8]
 
 
+def run_in_pieces(model, tokens, boundaries):
+    """The model's logits over `tokens` [B, T], fed through its cache in the pieces between consecutive
+    `boundaries` (0 first, T last): range(T + 1) decodes token by token."""
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda params, tokens, states: nnx.merge(graphdef, params)(tokens, states=states))
+    boundaries = list(boundaries)
+    states, pieces = model.init_states(*tokens.shape), []
+    for start, end in zip(boundaries, boundaries[1:]):
+        logits, states = forward(params, tokens[:, start:end], states)
+        pieces.append(logits)
+    return np.concatenate(pieces, axis=1)
+
+
 @pytest.mark.parametrize("mechanism,score,conv_on_window", [
     ("gdn", "recall", False), ("gdn", "key_norm", False), ("gla", "recall", False), ("hedgehog", "recall", False),
     ("gdn", "recall", True)])
@@ -155,21 +168,9 @@ def test_prefill_then_decode_equals_decoding_the_whole_prompt(base, mechanism, s
     settings = gdn_settings(mechanism=mechanism, retain=RETAIN, retain_score=score, adapter="shortconv",
                             conv_on_window=conv_on_window)
     model = linjax.linearize(base, settings, seed=2)
-    graphdef, params = nnx.split(model)
-    forward = jax.jit(lambda params, tokens, states: nnx.merge(graphdef, params)(tokens, states=states))
     tokens = jax.random.randint(jax.random.key(4), (2, 20), 0, base.config.vocab_size)
-    states, one_by_one = model.init_states(2, 20), []
-    for t in range(20):
-        logits, states = forward(params, tokens[:, t:t + 1], states)
-        one_by_one.append(logits)
-    one_by_one = np.concatenate(one_by_one, axis=1)
-    states = model.init_states(2, 20)
-    prompt, states = forward(params, tokens[:, :13], states)
-    rest = []
-    for t in range(13, 20):
-        logits, states = forward(params, tokens[:, t:t + 1], states)
-        rest.append(logits)
-    np.testing.assert_allclose(np.concatenate([prompt] + rest, axis=1), one_by_one, atol=1e-5)
+    one_by_one = run_in_pieces(model, tokens, range(21))
+    np.testing.assert_allclose(run_in_pieces(model, tokens, [0, *range(13, 21)]), one_by_one, atol=1e-5)
     np.testing.assert_allclose(np.asarray(model(tokens)), one_by_one, atol=1e-5)  # no cache: the same scan
 
 

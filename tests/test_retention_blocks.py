@@ -15,7 +15,7 @@ from flax import nnx
 import linjax
 from kernels import retention
 from tests.test_retention import (RETAIN, SINKS, assert_decode_matches, base, gdn_settings,  # noqa: F401 (base: the fixture)
-                                  layer_inputs)
+                                  layer_inputs, run_in_pieces)
 
 WINDOW = 4  # one more than test_retention's, so a block of 4 fits
 
@@ -112,19 +112,10 @@ def test_any_split_of_a_sequence_gives_the_same_outputs(base, mechanism):
     """Training (no cache), decode token by token, and prefill pieces that start inside a block or at a
     boundary, in any sizes: one model, one set of outputs."""
     model = linjax.linearize(base, settings(mechanism=mechanism, retain_block=4, adapter="shortconv"), seed=2)
-    graphdef, params = nnx.split(model)
-    forward = jax.jit(lambda params, tokens, states: nnx.merge(graphdef, params)(tokens, states=states))
     tokens = jax.random.randint(jax.random.key(4), (2, 27), 0, base.config.vocab_size)
-    states, one_by_one = model.init_states(2, 27), []
-    for t in range(27):
-        logits, states = forward(params, tokens[:, t:t + 1], states)
-        one_by_one.append(logits)
-    one_by_one = np.concatenate(one_by_one, axis=1)
-    states, pieces = model.init_states(2, 27), []
-    for start, end in [(0, 8), (8, 11), (11, 19), (19, 27)]:  # 8 at a boundary, 3, then 8 inside a block
-        logits, states = forward(params, tokens[:, start:end], states)
-        pieces.append(logits)
-    np.testing.assert_allclose(np.concatenate(pieces, axis=1), one_by_one, atol=1e-5)
+    one_by_one = run_in_pieces(model, tokens, range(28))
+    pieces = run_in_pieces(model, tokens, [0, 8, 11, 19, 27])  # 8 at a boundary, 3, then 8 inside a block
+    np.testing.assert_allclose(pieces, one_by_one, atol=1e-5)
     np.testing.assert_allclose(np.asarray(model(tokens[:, :24])), one_by_one[:, :24], atol=1e-5)
     np.testing.assert_allclose(np.asarray(model(tokens)), one_by_one, atol=1e-5)  # 6 blocks and 3 tokens
 
