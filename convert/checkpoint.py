@@ -122,8 +122,11 @@ def trained_model(base: CausalLM, directory: str, manifest: dict) -> CausalLM:
     return model
 
 
-def _restore_trainable(model: CausalLM, directory: str) -> None:
-    target = _on_this_process(nnx.state(model, Trainable))
+def _restore_trainable(model: CausalLM, directory: str, without_lora: bool = False) -> None:
+    """The run's parameters into `model`; `without_lora`: all but the LoRA updates, which the run
+    did not have (a stage adding LoRA keeps their initial values)."""
+    which = nnx.All(Trainable, nnx.Not(nnx.PathContains("lora"))) if without_lora else Trainable
+    target = _on_this_process(nnx.state(model, which))
     # orbax takes absolute paths only; a run directory is often given relative to the working directory.
     path = os.path.join(os.path.abspath(directory), "trainable")
     if not os.path.exists(path):  # a save killed inside its swap: the earlier parameters, set aside, match
@@ -132,9 +135,14 @@ def _restore_trainable(model: CausalLM, directory: str) -> None:
     nnx.update(model, _checkpointer().restore(path, target))
 
 
+# The adapter of a stage that adds LoRA to an earlier stage's, by the earlier one's.
+ADDING_LORA = {None: "lora", "shortconv": "shortconv+lora"}
+
+
 def load_trained_parameters(model: CausalLM, directory: str, base: dict | None = None) -> None:
     """Put a finished training run's parameters into `model`, linearized the same way on the same
-    base (a later stage starting from an earlier one); a mismatch is a ValueError naming it. `base`:
+    base (a later stage starting from an earlier one), or with LoRA added to its adapter (the LoRA
+    updates keep their zero start); a mismatch is a ValueError naming it. `base`:
     the fingerprint of `model`'s base (`linjax.fingerprint.model_fingerprint`), compared with the one
     the run recorded."""
     path = os.path.join(os.path.abspath(directory), MANIFEST)
@@ -158,11 +166,14 @@ def load_trained_parameters(model: CausalLM, directory: str, base: dict | None =
     # Settings that add no parameters: the kernels, and retained tokens (any run can be read with them).
     free = ("kernel", "chunk", "retain", "retain_score")
     differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in free)
-    if differing:
+    # A later stage may add LoRA (B starts at zero, so it starts where the earlier stage ended).
+    adds_lora = differing == ["adapter"] and ADDING_LORA.get(theirs.get("adapter")) == ours["adapter"]
+    if differing and not adds_lora:
         raise ValueError(f"{directory} was linearized with other settings ("
                          + ", ".join(f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in differing)
-                         + "); train.init_from needs the same [linearize] settings")
-    _restore_trainable(model, directory)
+                         + "); train.init_from needs the same [linearize] settings (or LoRA added: "
+                         + "adapter \"lora\" after none, \"shortconv+lora\" after \"shortconv\")")
+    _restore_trainable(model, directory, without_lora=adds_lora)
 
 
 def read_manifest(directory: str) -> dict:

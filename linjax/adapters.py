@@ -48,15 +48,24 @@ class LoRA(nnx.Module):
 class ShortConv(nnx.Module):
     """Causal depthwise conv1d (kernel 8, bias, no activation) on q, k and v, after RoPE (paper, appendix).
 
-    Weights use PyTorch's Conv1d default (fan-in = kernel size for a depthwise conv).
+    init "torch": PyTorch's Conv1d default (fan-in = kernel size for a depthwise conv), as FLA and the
+    paper. init "identity": the current token's tap 1, every other tap and the bias 0, so the conv
+    starts as the identity: what the window softmax needs to start as the pretrained attention when
+    it reads the convolved q, k, v (`conv_on_window`).
     """
 
-    def __init__(self, q_channels: int, kv_channels: int, *, kernel_size: int = 8, rngs: nnx.Rngs):
+    def __init__(self, q_channels: int, kv_channels: int, *, kernel_size: int = 8, init: str = "torch",
+                 rngs: nnx.Rngs):
         self.kernel_size = kernel_size
         for name, channels in (("q", q_channels), ("k", kv_channels), ("v", kv_channels)):
-            setattr(self, f"{name}_weight",
-                    Trainable(torch_linear_init(rngs.params(), (kernel_size, channels), kernel_size)))
-            setattr(self, f"{name}_bias", Trainable(torch_linear_init(rngs.params(), (channels,), kernel_size)))
+            if init == "identity":
+                weight = jnp.zeros((kernel_size, channels), jnp.float32).at[-1].set(1.0)  # weight[K-1]: token t
+                bias = jnp.zeros((channels,), jnp.float32)
+            else:
+                weight = torch_linear_init(rngs.params(), (kernel_size, channels), kernel_size)
+                bias = torch_linear_init(rngs.params(), (channels,), kernel_size)
+            setattr(self, f"{name}_weight", Trainable(weight))
+            setattr(self, f"{name}_bias", Trainable(bias))
 
     def empty_caches(self, batch: int, q_channels: int, kv_channels: int, dtype):
         return tuple(conv.empty_cache(batch, c, self.kernel_size, dtype)

@@ -178,7 +178,7 @@ class TrainSection:
     def learning_rate(self, adapter: str | None) -> float:
         if self.lr is not None:
             return self.lr
-        return 5e-4 if adapter == "lora" else 2e-3
+        return 5e-4 if adapter in ("lora", "shortconv+lora") else 2e-3  # the paper lowers it for LoRA
 
 
 EVALUATIONS = ("perplexity", "approx", "lm_eval", "ruler")

@@ -44,8 +44,9 @@ def find_mixers() -> dict[str, type]:
 
 
 MIXERS = find_mixers()
-ADAPTERS = (None, "shortconv", "lora")
+ADAPTERS = (None, "shortconv", "lora", "shortconv+lora")
 COMBINES = ("sum", "mixed")
+CONV_INITS = ("torch", "identity")
 # GLA's decay gate: the paper's low-rank projection of h, or Liger's, read from the key projection.
 GATES = ("low_rank", "liger_pooled_key")
 KERNELS = ("auto", "chunked", "pallas")
@@ -70,9 +71,12 @@ class LinearizeConfig:
     window, sinks: exact softmax over the first `sinks` tokens and the last `window` ones; the
         linear state covers the rest ("SWA 64" is window=64, sinks=0; 0/0 is pure linear attention).
     combine: "sum" (the paper's disjoint sum) or "mixed" (Liger's 0.5 · linear + 0.5 · window).
-    adapter: None, "shortconv" (kernel 8 on q, k, v) or "lora" (rank 8, alpha 16 on q/k/v/o).
-    conv_on_window: with adapter="shortconv", the sinks + window softmax also reads the convolved
+    adapter: None, "shortconv" (kernel 8 on q, k, v), "lora" (rank 8, alpha 16 on q/k/v/o) or
+        "shortconv+lora" (both: e.g. LoRA added in a second stage to a run trained with the short conv).
+    conv_on_window: with the short conv, the sinks + window softmax also reads the convolved
         q, k, v; by default (False, the paper's) the short conv feeds only the linear part.
+    conv_init: the short conv's start: "torch" (PyTorch's Conv1d default, as the paper and FLA) or
+        "identity" (the current token's tap 1, the rest 0), which leaves the pretrained q, k, v unchanged.
     keep_full_attention: layer indices kept as softmax attention, or a fraction of the layers
         spread uniformly over depth.
     kernel: "auto" (the default: "pallas" when JAX has a CUDA device, else "chunked"), "chunked"
@@ -118,6 +122,7 @@ class LinearizeConfig:
     keep_full_attention: tuple[int, ...] | float = ()
     gate_rank: int = 16
     conv_kernel: int = 8
+    conv_init: str = "torch"
     lora_rank: int = 8
     lora_alpha: float = 16.0
     chunk: int | None = None  # the kernels' chunk length; None: each kernel's own default
@@ -137,7 +142,10 @@ class LinearizeConfig:
         if self.mechanism not in MIXERS:
             raise ValueError(f"unknown mechanism {self.mechanism!r}; choose one of {sorted(MIXERS)}")
         if self.adapter not in ADAPTERS:
-            raise ValueError(f"unknown adapter {self.adapter!r}; choose None, 'shortconv' or 'lora'")
+            raise ValueError(f"unknown adapter {self.adapter!r}; choose None, 'shortconv', 'lora' or "
+                             "'shortconv+lora'")
+        if self.conv_init not in CONV_INITS:
+            raise ValueError(f"unknown conv_init {self.conv_init!r}; choose 'torch' or 'identity'")
         if self.gate not in GATES:
             raise ValueError(f"unknown gate {self.gate!r}; choose one of {list(GATES)}")
         if self.gate != "low_rank" and self.mechanism != "gla":
@@ -158,9 +166,9 @@ class LinearizeConfig:
                              "use adapter=None")
         if not isinstance(self.conv_on_window, bool):
             raise ValueError(f"conv_on_window must be true or false, got {self.conv_on_window!r}")
-        if self.conv_on_window and (self.adapter != "shortconv" or not self.window):
+        if self.conv_on_window and (not self.uses_shortconv or not self.window):
             raise ValueError("conv_on_window=True feeds the short conv's q, k, v to the window softmax: it needs "
-                             f"adapter='shortconv' and window ≥ 1 "
+                             f"the short conv (adapter='shortconv' or 'shortconv+lora') and window ≥ 1 "
                              f"(got adapter={self.adapter!r}, window={self.window})")
         if self.combine == "mixed" and not self.window:
             raise ValueError("combine='mixed' mixes the linear and window parts; it needs window ≥ 1")
@@ -206,6 +214,14 @@ class LinearizeConfig:
             raise ValueError(f"keep_full_attention as a fraction must be in [0, 1], got {keep}")
         elif not isinstance(keep, float):
             raise ValueError(f"keep_full_attention must be layer indices or a fraction, got {keep!r}")
+
+    @property
+    def uses_shortconv(self) -> bool:
+        return self.adapter in ("shortconv", "shortconv+lora")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.adapter in ("lora", "shortconv+lora")
 
     def uses_pallas(self) -> bool:
         """Whether the mixers run the Pallas kernels ("auto" resolved for this process's devices)."""

@@ -131,6 +131,8 @@ def write_cases(model_type: str, root: str):
         cases.append((f"{model_type}-window-w56-s8", window_only_case(model_type)))
         cases.append((f"{model_type}-conv-on-window-w56-s8", build_case(model_type, "shortconv", 56, 8,
                                                                         conv_on_window=True)))
+        # LoRA on top of the short conv (a second stage adding LoRA): merged into q/k/v/o, conv as usual.
+        cases.append((f"{model_type}-shortconv-lora-w56-s8", build_case(model_type, "shortconv+lora", 56, 8)))
         # A set scale (1, the paper's y = qᵀS; 0.5) and learned per-head gains, with a window and without.
         cases.append((f"{model_type}-scale-gain-w56-s8", build_case(model_type, None, 56, 8, scale=1.0,
                                                                     output_gain=True)))

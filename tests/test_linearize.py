@@ -111,6 +111,23 @@ def test_the_short_conv_on_the_window_too_decodes_as_one_pass(one_layer_models, 
     assert np.abs(np.asarray(model(tokens)) - np.asarray(usual(tokens))).max() > 1e-3  # the option changes the window
 
 
+@pytest.mark.parametrize("conv_on_window", [False, True])
+def test_an_identity_short_conv_starts_as_the_model_without_one(one_layer_models, conv_on_window):
+    """conv_init="identity": the conv passes q, k, v through, on the linear part and (conv_on_window) on the
+    window too, so the model starts as it would without the adapter; PyTorch's init does not."""
+    settings = linjax.LinearizeConfig(mechanism="gdn", window=8, sinks=2, adapter="shortconv", conv_init="identity",
+                                      conv_on_window=conv_on_window)
+    without = dataclasses.replace(settings, adapter=None, conv_on_window=False)
+    base = one_layer_models["llama"]
+    model, plain = (linjax.linearize(base, s, seed=3) for s in (settings, without))
+    tokens = tokens_for(model, 24)
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(plain(tokens)), atol=1e-5)
+    torch_init = linjax.linearize(base, dataclasses.replace(settings, conv_init="torch"), seed=3)
+    assert np.abs(np.asarray(torch_init(tokens)) - np.asarray(plain(tokens))).max() > 1e-3
+    with pytest.raises(ValueError, match="unknown conv_init 'zeros'"):
+        dataclasses.replace(settings, conv_init="zeros")
+
+
 def assert_decode_equals_one_pass(model):
     """Prefill, decode and further prefills with the decode states give the logits of one full pass."""
     full, stateful = jitted(model)

@@ -155,6 +155,35 @@ def test_a_second_stage_starts_from_the_first_stages_parameters(tiny_source, cor
         train.run(experiment(tmp_path / "x", tiny_source, corpus, steps=2, init_from=str(tmp_path)), progress=False)
 
 
+def test_a_second_stage_may_add_lora_to_the_first_stages_adapter(tiny_source, corpus, tmp_path):
+    """adapter "shortconv+lora" after "shortconv": the first stage's parameters load, LoRA starts at zero
+    (so the second stage starts where the first ended) and trains; any other change is still refused."""
+    first = train.run(experiment(tmp_path / "ce", tiny_source, corpus, steps=2), progress=False)
+    second_config = experiment(tmp_path / "lora", tiny_source, corpus, steps=2, warmup_steps=0,
+                               init_from=str(tmp_path / "ce"))
+    second_config = from_dict({**second_config.to_dict(),
+                               "linearize": {**second_config.linearize.to_dict(), "adapter": "shortconv+lora"}})
+    assert second_config.train.learning_rate("shortconv+lora") == 5e-4  # the paper's LoRA rate
+    second = train.run(second_config, progress=False)
+    without_lora = nnx.All(Trainable, nnx.Not(nnx.PathContains("lora")))
+    started = linjax.linearize(linjax.load(tiny_source)[0], second.linearize_config, seed=3)
+    from linjax.convert.checkpoint import load_trained_parameters
+
+    load_trained_parameters(started, str(tmp_path / "ce"))
+    for a, b in zip(*(jax.tree.leaves(nnx.state(m, without_lora)) for m in (first, started))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ups = lambda m: [x for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(m, Trainable))
+                     if "lora" in jax.tree_util.keystr(p) and "_b'" in jax.tree_util.keystr(p)]
+    assert ups(started) and all(not np.asarray(b).any() for b in ups(started))  # LoRA's B at zero
+    assert all(np.asarray(b).any() for b in ups(second))  # and trained from there
+    tokens = jax.random.randint(jax.random.key(0), (1, 16), 0, first.config.vocab_size)
+    np.testing.assert_allclose(np.asarray(started(tokens)), np.asarray(first(tokens)), atol=1e-5)
+    lora_only = from_dict({**second_config.to_dict(), "run_dir": str(tmp_path / "lora-only"),
+                           "linearize": {**second_config.linearize.to_dict(), "adapter": "lora"}})
+    with pytest.raises(ValueError, match="adapter: 'shortconv' there, 'lora' here"):
+        train.run(lora_only, progress=False)
+
+
 def test_lolcats_stages_train_the_feature_maps_then_only_lora(tiny_source, corpus, tmp_path):
     """train.trainable: attention transfer with "mechanism" moves Hedgehog's feature maps and gain and
     leaves LoRA as initialised; cross-entropy with "adapter" from that run moves LoRA alone (LoLCATs'

@@ -36,8 +36,8 @@ from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.app.eval_cli import add_eval_parser
 from linjax.files import WriterBusy, check_export_directory, write_directory, writer_lock
 from linjax.generate import generate
-from linjax.linearize import (ADAPTERS, COMBINES, FLA_DEFAULT_SCALE, GATES, KERNELS, MIXERS, LinearizeConfig,
-                              mixer_names)
+from linjax.linearize import (ADAPTERS, COMBINES, CONV_INITS, FLA_DEFAULT_SCALE, GATES, KERNELS, MIXERS,
+                              LinearizeConfig, mixer_names)
 from linjax.train.sharding import maybe_initialize_distributed
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.
@@ -96,7 +96,7 @@ def parse_keep(text: str):
 
 # The names each text setting of LinearizeConfig accepts, for --help (LinearizeConfig checks the values).
 LINEARIZE_NAMES = {"mechanism": tuple(MIXERS), "combine": COMBINES, "kernel": KERNELS, "gate": GATES,
-                   "adapter": tuple("none" if a is None else a for a in ADAPTERS),
+                   "adapter": tuple("none" if a is None else a for a in ADAPTERS), "conv_init": CONV_INITS,
                    "scale": ("a number > 0", FLA_DEFAULT_SCALE)}
 
 

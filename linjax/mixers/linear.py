@@ -74,9 +74,10 @@ class LinearMixer(nnx.Module):
         self.use_pallas = settings.uses_pallas()
         heads, kv_heads, head_dim = proj.num_heads, proj.num_kv_heads, proj.head_dim
         self.lora = (LoRA(proj, rank=settings.lora_rank, alpha=settings.lora_alpha, rngs=rngs)
-                     if settings.adapter == "lora" else None)
-        self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel, rngs=rngs)
-                     if settings.adapter == "shortconv" else None)
+                     if settings.uses_lora else None)
+        self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel,
+                               init=settings.conv_init, rngs=rngs)
+                     if settings.uses_shortconv else None)
         self.conv_on_window = settings.conv_on_window
         # A learned gain per head on the linear term; 1 at init (by default), so the untrained model is unchanged.
         self.output_gain = (Trainable(jnp.full((heads,), settings.output_gain_init, jnp.float32))
