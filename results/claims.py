@@ -64,7 +64,9 @@ ROWS = {
     "gdn": "pure GDN (no window)",
     "gla": "pure GLA (no window)",
     "gdn-w56-s8-shortconv-at-ce": "the final recipe: 1,000 attention-transfer steps, then 1,000 CE steps",
-    "gdn-w56-s8-shortconv-ce-ce": "the control for the row above: 1,000 CE steps, then 1,000 CE steps after the "
+    "gdn-w56-s8-shortconv-ce-lora": "the final recipe: 1,000 CE steps, then 1,000 CE steps with LoRA added "
+                                    "(rate 5e-4; the same restart as the row below)",
+    "gdn-w56-s8-shortconv-ce-ce": "the control for the rows above: 1,000 CE steps, then 1,000 CE steps after the "
                                   "same restart (fresh optimizer, warm-up and document order)",
     **{f"{row}-seed{seed}": f"{what}, seed {seed}" for row, what in (
         ("gdn-w56-s8", "GDN + w56 + s8"), ("gla-w56-s8", "GLA + w56 + s8"),
@@ -76,7 +78,10 @@ ROWS = {
     "gdn-gate-bias-3": "pure GDN at decay-gate bias 3 (the confound: the rows above use bias 1)",
     "gla-gate-bias-3": "pure GLA at decay-gate bias 3",
     "gdn-w56-s8-shortconv-1024": "the final recipe trained at 1,024 tokens (1,000 steps; the same tokens)",
-    "gdn-w56-s8-shortconv-conv-on-window": "the final recipe with the short conv on the window's q, k, v too",
+    "gdn-w56-s8-shortconv-identity": "the final recipe with the short conv started as the identity (the control "
+                                     "for the row below)",
+    "gdn-w56-s8-shortconv-conv-on-window": "the final recipe with the short conv on the window's q, k, v too "
+                                           "(started as the identity)",
     "gdn-w56-s8-lora": "GDN + w56 + s8 + LoRA (in place of the short conv; the paper's LoRA rate 5e-4)",
     **{f"gdn-w56-s8-shortconv-keep{count}-{by}": f"a hybrid: the final recipe with {count} of 30 layers full "
        f"attention, {'the hardest by key concentration' if by == 'hardest' else 'spread uniformly'}"
@@ -94,7 +99,10 @@ VARIANTS = {
     "gla-gate-bias-3": ("gla", {"linearize.gate_bias": 3.0}),
     "gdn-w56-s8-shortconv-1024": ("gdn-w56-s8-shortconv", {"train.steps": 1000, "train.seq_len": 1024,
                                                            "train.warmup_steps": 50, "train.checkpoint_every": 50}),
-    "gdn-w56-s8-shortconv-conv-on-window": ("gdn-w56-s8-shortconv", {"linearize.conv_on_window": True}),
+    "gdn-w56-s8-shortconv-identity": ("gdn-w56-s8-shortconv", {"linearize.conv_init": "identity"}),
+    "gdn-w56-s8-shortconv-conv-on-window": ("gdn-w56-s8-shortconv-identity", {"linearize.conv_on_window": True}),
+    "gdn-w56-s8-shortconv-ce-lora": ("gdn-w56-s8-shortconv-ce-ce", {"linearize.adapter": "shortconv+lora",
+                                                                    "train.lr": 5e-4}),
     "gdn-w56-s8-lora": ("gdn-w56-s8", {"linearize.adapter": "lora", "train.lr": 5e-4}),
     "gdn-w56-s8-shortconv-keep3-hardest": ("gdn-w56-s8-shortconv", {"linearize.keep_full_attention": [0, 5, 8]}),
     "gdn-w56-s8-shortconv-keep3-uniform": ("gdn-w56-s8-shortconv", {"linearize.keep_full_attention": [5, 15, 25]}),
@@ -522,8 +530,12 @@ CLAIMS = [
      "gdn-gate-bias-3", "gla"),
     ("training at the evaluation length (1,024) beats training at 512, the same tokens", "—",
      "gdn-w56-s8-shortconv-1024", "gdn-w56-s8-shortconv"),
-    ("the short conv on both paths beats it on the linear path only", "—",
-     "gdn-w56-s8-shortconv-conv-on-window", "gdn-w56-s8-shortconv"),
+    ("the short conv on both paths beats it on the linear path only (both started as the identity)", "—",
+     "gdn-w56-s8-shortconv-conv-on-window", "gdn-w56-s8-shortconv-identity"),
+    ("PyTorch's init of the short conv (the paper's) beats starting it as the identity", "—",
+     "gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-identity"),
+    ("LoRA added in a second stage beats a second stage without it (CE then CE, the same restart)", "—",
+     "gdn-w56-s8-shortconv-ce-lora", "gdn-w56-s8-shortconv-ce-ce"),
     ("short conv beats LoRA (GDN + w56 + s8)", "short conv above LoRA on most benchmarks (Table 3)",
      "gdn-w56-s8-shortconv", "gdn-w56-s8-lora"),
     ("keeping the 3 hardest layers as full attention beats 3 spread uniformly",
