@@ -167,7 +167,8 @@ def load_trained_parameters(model: CausalLM, directory: str, base: dict | None =
     free = ("kernel", "chunk", "retain", "retain_score")
     differing = sorted(k for k in ours if ours[k] != theirs.get(k) and k not in free)
     # A later stage may add LoRA (B starts at zero, so it starts where the earlier stage ended).
-    adds_lora = differing == ["adapter"] and ADDING_LORA.get(theirs.get("adapter")) == ours["adapter"]
+    adds_lora = (set(differing) - {"lora_rank", "lora_alpha"} == {"adapter"}  # the new LoRA's own size is free
+                 and ADDING_LORA.get(theirs.get("adapter")) == ours["adapter"])
     if differing and not adds_lora:
         raise ValueError(f"{directory} was linearized with other settings ("
                          + ", ".join(f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in differing)

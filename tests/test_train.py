@@ -162,7 +162,8 @@ def test_a_second_stage_may_add_lora_to_the_first_stages_adapter(tiny_source, co
     second_config = experiment(tmp_path / "lora", tiny_source, corpus, steps=2, warmup_steps=0,
                                init_from=str(tmp_path / "ce"))
     second_config = from_dict({**second_config.to_dict(),
-                               "linearize": {**second_config.linearize.to_dict(), "adapter": "shortconv+lora"}})
+                               "linearize": {**second_config.linearize.to_dict(), "adapter": "shortconv+lora",
+                                             "lora_rank": 4}})  # its own rank: the first stage had no LoRA
     assert second_config.train.learning_rate("shortconv+lora") == 5e-4  # the paper's LoRA rate
     second = train.run(second_config, progress=False)
     without_lora = nnx.All(Trainable, nnx.Not(nnx.PathContains("lora")))
