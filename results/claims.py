@@ -79,9 +79,10 @@ ROWS = {
     "gla-gate-bias-3": "pure GLA at decay-gate bias 3",
     "gdn-w56-s8-shortconv-1024": "the final recipe trained at 1,024 tokens (1,000 steps; the same tokens)",
     "gdn-w56-s8-shortconv-identity": "the final recipe with the short conv started as the identity (the control "
-                                     "for the row below)",
+                                     "for the conv on both paths started so)",
     "gdn-w56-s8-shortconv-conv-on-window": "the final recipe with the short conv on the window's q, k, v too "
-                                           "(started as the identity)",
+                                           "(PyTorch's init, as the paper's conv)",
+    "gdn-w56-s8-shortconv-conv-on-window-identity": "the same, the conv started as the identity",
     "gdn-w56-s8-lora": "GDN + w56 + s8 + LoRA (in place of the short conv; the paper's LoRA rate 5e-4)",
     **{f"gdn-w56-s8-shortconv-keep{count}-{by}": f"a hybrid: the final recipe with {count} of 30 layers full "
        f"attention, {'the hardest by key concentration' if by == 'hardest' else 'spread uniformly'}"
@@ -100,7 +101,9 @@ VARIANTS = {
     "gdn-w56-s8-shortconv-1024": ("gdn-w56-s8-shortconv", {"train.steps": 1000, "train.seq_len": 1024,
                                                            "train.warmup_steps": 50, "train.checkpoint_every": 50}),
     "gdn-w56-s8-shortconv-identity": ("gdn-w56-s8-shortconv", {"linearize.conv_init": "identity"}),
-    "gdn-w56-s8-shortconv-conv-on-window": ("gdn-w56-s8-shortconv-identity", {"linearize.conv_on_window": True}),
+    "gdn-w56-s8-shortconv-conv-on-window": ("gdn-w56-s8-shortconv", {"linearize.conv_on_window": True}),
+    "gdn-w56-s8-shortconv-conv-on-window-identity": ("gdn-w56-s8-shortconv-identity",
+                                                     {"linearize.conv_on_window": True}),
     "gdn-w56-s8-shortconv-ce-lora": ("gdn-w56-s8-shortconv-ce-ce", {"linearize.adapter": "shortconv+lora",
                                                                     "train.lr": 5e-4}),
     "gdn-w56-s8-lora": ("gdn-w56-s8", {"linearize.adapter": "lora", "train.lr": 5e-4}),
@@ -530,8 +533,10 @@ CLAIMS = [
      "gdn-gate-bias-3", "gla"),
     ("training at the evaluation length (1,024) beats training at 512, the same tokens", "—",
      "gdn-w56-s8-shortconv-1024", "gdn-w56-s8-shortconv"),
-    ("the short conv on both paths beats it on the linear path only (both started as the identity)", "—",
-     "gdn-w56-s8-shortconv-conv-on-window", "gdn-w56-s8-shortconv-identity"),
+    ("the short conv on both paths beats it on the linear path only", "—",
+     "gdn-w56-s8-shortconv-conv-on-window", "gdn-w56-s8-shortconv"),
+    ("the same, both convs started as the identity (the window then starts as the pretrained attention)", "—",
+     "gdn-w56-s8-shortconv-conv-on-window-identity", "gdn-w56-s8-shortconv-identity"),
     ("PyTorch's init of the short conv (the paper's) beats starting it as the identity", "—",
      "gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-identity"),
     ("LoRA added in a second stage beats a second stage without it (CE then CE, the same restart)", "—",
