@@ -287,8 +287,9 @@ def test_linear_decode_states_do_not_grow_with_context(tiny_models):
     (dict(scale=float("inf")), "scale must be a finite number > 0"),
     (dict(scale="1"), "scale must be a finite number > 0"),
     (dict(output_gain="yes"), "output_gain must be true or false"),
-    (dict(conv_on_window=True), "needs adapter='shortconv'"),
-    (dict(conv_on_window=True, adapter="shortconv", window=0, sinks=0), "needs adapter='shortconv' and window"),
+    (dict(conv_on_window=True), "needs the short conv"),
+    (dict(conv_on_window=True, adapter="shortconv", window=0, sinks=0),
+     r"and window ≥ 1 \(got adapter='shortconv', window=0\)"),
     (dict(conv_on_window="yes", adapter="shortconv"), "conv_on_window must be true or false"),
 ])
 def test_bad_settings_are_refused(settings, match):
