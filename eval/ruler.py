@@ -21,6 +21,7 @@ same budgets with sinks + window softmax alone, the baseline without a linear st
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax.numpy as jnp
@@ -53,8 +54,9 @@ __all__ = ["ANSWER_PREFIX", "DEPTHS", "NEW_TOKENS", "NOISE", "TASKS", "TEMPLATE"
 PREFILL_CHUNK = 256  # fixed prefill shapes: one compilation serves every prompt of a length (generate.py)
 
 
-def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> list[dict]:
-    """Greedy answers and scores of `samples` (one at a time: prompts differ in length)."""
+def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True, on_row=None) -> list[dict]:
+    """Greedy answers and scores of `samples` (one at a time: prompts differ in length); `on_row(rows)`
+    after each, with the rows so far."""
     rows = []
     # One cache size for all samples (prompts are within 2% of each other), so one compilation.
     capacity = max(len(tokenizer(s.prompt, add_special_tokens=False)["input_ids"]) + s.max_new_tokens
@@ -66,6 +68,8 @@ def evaluate(model, tokenizer, samples: list[Sample], progress: bool = True) -> 
         answer = tokenizer.decode(np.asarray(out[0, len(ids):]).tolist(), skip_special_tokens=True)
         rows.append({"task": s.task, "tokens": len(ids), "depth": s.depth, "answers": list(s.answers),
                      "prediction": answer, "score": score(answer, s.answers)})
+        if on_row:
+            on_row(rows)
     return rows
 
 
@@ -114,8 +118,10 @@ def budget_variants(model, budgets, sinks: int, window_only: bool = False, retai
 
 def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None, sinks: int = 8,
         window_only: bool = False, haystack: str | None = None, seed: int = 0, progress: bool = True,
-        retain: int = 0, retain_score: str = "recall", retain_block: int = 1) -> dict:
-    """RULER accuracy per task × length (× cache budget); writes `out` (+ .md) after every cell."""
+        retain: int = 0, retain_score: str = "recall", retain_block: int = 1, resume: bool = False) -> dict:
+    """RULER accuracy per task × length (× cache budget); writes `out` (+ .md) after every sample, marked
+    `complete` once every cell is. `resume`: go on from the samples `out` holds (the samples are drawn
+    from the seed, so the first n of a cell are the ones already scored)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
@@ -128,30 +134,49 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
                 "sinks": sinks, "window_only": window_only, "seed": seed, "retain": retain,
                 "retain_score": retain_score, **({"retain_block": retain_block} if retain_block > 1 else {}),
                 "haystack": os.path.abspath(generator.haystack_path) if generator.haystack_path else None}
+    earlier = _earlier_samples(out, name, settings) if resume else []
     results, details = [], []
     for task in tasks:
         for length in lengths:
             rng = np.random.default_rng([seed, TASKS.index(task), length])
             batch = [generator.sample(task, length, rng) for _ in range(samples)]
             for variant, m in variants.items():
-                rows = evaluate(m, tokenizer, batch, progress)
+                done = [r for r in earlier if (r["task"], r["length"], r["variant"]) == (task, length, variant)]
+                done = [{k: v for k, v in r.items() if k not in ("variant", "length")} for r in done]
+                cell = lambda rows: [dict(r, variant=variant, length=length) for r in rows]
+                save = lambda rows: _write(out, name, settings, results, details + cell(done + rows), False)
+                rows = done + evaluate(m, tokenizer, batch[len(done):], progress, on_row=save)
                 accuracy = float(np.mean([r["score"] for r in rows]))
                 results.append({"task": task, "length": length, "variant": variant, "accuracy": accuracy,
                                 "samples": len(rows)})
-                details += [dict(r, variant=variant, length=length) for r in rows]
+                details += cell(rows)
                 if progress:
                     print(f"{task} @ {length} [{variant}]: {accuracy:.2f}", flush=True)
-                result = _write(out, name, settings, results, details)  # after every cell: a crash keeps them
-    return result
+                result = _write(out, name, settings, results, details, False)
+    return _write(out, name, settings, results, details, True)
 
 
-def _write(out: str, name: str, settings: dict, results: list, details: list) -> dict:
-    """The results JSON and a Markdown table beside it (same name, .md), atomically."""
+def _earlier_samples(out: str, name: str, settings: dict) -> list[dict]:
+    """The scored samples a resumed run goes on from: none if `out` does not exist; a ValueError if it
+    holds another model's or other settings' results."""
+    if not os.path.exists(out):
+        return []
+    with open(out, encoding="utf-8") as f:
+        saved = json.load(f)
+    if (saved.get("model"), saved.get("settings")) != (name, settings):
+        raise ValueError(f"{out} holds RULER results of another model or other settings "
+                         f"({saved.get('model')}, {saved.get('settings')}); --overwrite replaces them")
+    return saved.get("samples", [])
+
+
+def _write(out: str, name: str, settings: dict, results: list, details: list, complete: bool) -> dict:
+    """The results JSON and a Markdown table beside it (same name, .md), atomically; `results` holds the
+    finished cells, `details` every scored sample."""
     table = ["| task | length | cache | accuracy | samples |", "|---|---|---|---|---|"]
     table += [f"| {r['task']} | {r['length']} | {r['variant']} | {r['accuracy']:.2f} | {r['samples']} |"
               for r in results]
-    result = {"model": name, "settings": settings, "results": results, "table_markdown": "\n".join(table),
-              "samples": details}
+    result = {"model": name, "settings": settings, "complete": complete, "results": results,
+              "table_markdown": "\n".join(table), "samples": details}
     write_json(out, result)
     write_text(os.path.splitext(out)[0] + ".md", f"# RULER: {name}\n\n" + result["table_markdown"] + "\n")
     return result

@@ -183,7 +183,7 @@ def evaluations(row, model):
             "lambada", model, "--data-dir", DATA, "--out", os.path.join(out, "lambada-full.json"), "--resume"]),
         "niah": (os.path.join(out, "niah.json"), linjax + [
             "ruler", model, "--tasks", ",".join(NIAH_TASKS), "--lengths", ",".join(map(str, NIAH_LENGTHS)),
-            "--samples", str(NIAH_SAMPLES), "--out", os.path.join(out, "niah.json")]),
+            "--samples", str(NIAH_SAMPLES), "--out", os.path.join(out, "niah.json"), "--resume"]),
         "approx": (os.path.join(out, "approx", "approx.json"), linjax + [
             "approx", "smollm2-135m", model, "--data", os.path.join(DATA, "alpaca", "alpaca_data_cleaned_first5k.json"),
             "--num-seqs", "8", "--seq-len", "512", "--out", os.path.join(out, "approx")]),
@@ -197,6 +197,8 @@ def is_done(name, path):
         return "lambada_openai" in ((_load(path) or {}).get("finished_tasks") or [])
     if name == "lambada-full":  # written after every batch: done once complete
         return bool((_load(path) or {}).get("complete"))
+    if name == "niah":  # written after every sample; a file from before that marking is complete
+        return os.path.exists(path) and (_load(path) or {}).get("complete", True)
     return os.path.exists(path)
 
 

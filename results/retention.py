@@ -20,8 +20,8 @@ per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv 
     original       SmolLM2-135M with full attention (one cell per task and length: it has no budget)
 
 Each cell is results/retention/<variant>-<budget>-<task>-<length>.json (budget "full" for the original,
-task niah1/niah2/niah3), as `linjax eval ruler --out` writes it; `run` skips a cell whose file exists,
-so it can be stopped and started again. `report` reads whatever cells exist; a file whose settings are
+task niah1/niah2/niah3), as `linjax eval ruler --out` writes it (after every sample); `run` skips a cell whose file is complete
+and goes on with a partial one (`--resume`), so it can be stopped and started again. `report` reads whatever cells exist; a file whose settings are
 not the cell's is shown as such and counts as not run.
 
 `perplexity` scores the first 64 WikiText-2 test windows of 1,024 tokens (the claims rows' 64 windows)
@@ -144,7 +144,7 @@ class Cell:
             args += ["--retain", str(self.retain), "--retain-score", score]
         if self.variant in BLOCKS:
             args += ["--retain-block", str(BLOCKS[self.variant])]
-        return args + ["--out", os.path.relpath(self.path, ROOT)]
+        return args + ["--out", os.path.relpath(self.path, ROOT), "--resume"]
 
 
 def grid() -> list[Cell]:
@@ -170,7 +170,7 @@ def claim_cells() -> dict:
 def run(only: str | None = None, dry_run: bool = False) -> list[Cell]:
     """Runs every missing cell whose name matches `only` (a shell pattern, e.g. 'final-recall-128-*');
     returns the cells run (or, with `dry_run`, that would be)."""
-    todo = [c for c in grid() if not os.path.exists(c.path) and (not only or fnmatch.fnmatchcase(c.name, only))]
+    todo = [c for c in grid() if read_cell(c) is None and (not only or fnmatch.fnmatchcase(c.name, only))]
     if only and not any(fnmatch.fnmatchcase(c.name, only) for c in grid()):
         sys.exit(f"--only {only!r} matches no cell; cell names look like final-recall-128-niah1-2048 "
                  "or original-full-niah3-4096")
@@ -390,12 +390,14 @@ class Measured:
 
 
 def read_cell(cell: Cell):
-    """The cell's Measured, None if its file does not exist, or a string saying why its file is not the
-    cell's (other settings or another model)."""
+    """The cell's Measured, None if its file does not exist or is partial (`run` goes on with it), or a
+    string saying why its file is not the cell's (other settings or another model)."""
     if not os.path.exists(cell.path):
         return None
     with open(cell.path) as f:
         data = json.load(f)
+    if data.get("complete") is False:  # written after every sample; a file from before that marking is whole
+        return None
     settings = data.get("settings", {})
     wrong = [f"{key} {settings.get(key)!r} (the grid: {value!r})" for key, value in cell.expected_settings().items()
              if settings.get(key) != value]

@@ -171,6 +171,25 @@ def test_run_calls_linjax_eval_ruler_once_per_missing_cell(grid, monkeypatch):
     assert kwargs == {"cwd": grid.ROOT, "check": True}  # a failed cell stops the run
 
 
+def test_a_partial_cell_is_run_again_with_resume_and_not_reported(grid, monkeypatch):
+    calls = []
+    monkeypatch.setattr(grid.subprocess, "run", lambda command, **kwargs: calls.append(command))
+    write_cell(grid, "original-full-niah1-1024", 20)
+    partial = next(c for c in grid.grid() if c.name == "original-full-niah2-1024")
+    write_cell(grid, partial.name, 3, count=5)
+    with open(partial.path) as f:
+        data = json.load(f)
+    with open(partial.path, "w") as f:  # as `linjax eval ruler` leaves it when stopped: samples, no finished cell
+        json.dump({**data, "complete": False, "results": []}, f)
+    assert grid.read_cell(partial) is None
+    assert isinstance(grid.read_cell(next(c for c in grid.grid() if c.name == "original-full-niah1-1024")),
+                      grid.Measured)
+    grid.run(only="original-full-niah*-1024")
+    assert [command[command.index("--out") + 1].rsplit("/", 1)[-1] for command in calls] == [
+        "original-full-niah2-1024.json", "original-full-niah3-1024.json"]
+    assert all(command[-1] == "--resume" for command in calls)
+
+
 def write_readings(grid, per_token):
     """Per-window WikiText-2 files for each reading: 8 windows in 4 articles, NLL `per_token[reading]`
     per token (plus a small per-window wobble, the same for every reading)."""

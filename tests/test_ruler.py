@@ -185,6 +185,40 @@ def test_cli_on_a_tiny_model(tiny_source, haystack, tmp_path):
     assert (tmp_path / "ruler.md").exists()
 
 
+def test_a_stopped_run_resumes_from_its_last_sample(tiny_source, haystack, tmp_path, monkeypatch):
+    """The file is written after every sample (marked incomplete); `--resume` scores only the samples
+    it lacks and ends with the results of an unbroken run; other settings are refused."""
+    args = ["eval", "ruler", tiny_source, "--tasks", "niah_single_1", "--lengths", "160,200", "--samples", "2",
+            "--haystack", haystack]
+    whole = tmp_path / "whole.json"
+    main(args + ["--out", str(whole)])
+    calls, real_generate = [], ruler.generate
+
+    def stopped_at_the_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_generate(*a, **k)
+
+    monkeypatch.setattr(ruler, "generate", stopped_at_the_third)
+    out = tmp_path / "ruler.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(args + ["--out", str(out)])
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False and len(partial["samples"]) == 2 and len(partial["results"]) == 1
+    with pytest.raises(SystemExit):  # an existing --out without --resume or --overwrite: refused
+        main(args + ["--out", str(out)])
+    calls.clear()
+    monkeypatch.setattr(ruler, "generate", lambda *a, **k: (calls.append(1), real_generate(*a, **k))[1])
+    main(args + ["--out", str(out), "--resume"])
+    assert len(calls) == 2  # the second length's two samples only
+    resumed, expected = json.loads(out.read_text()), json.loads(whole.read_text())
+    assert resumed["complete"] is True
+    assert (resumed["results"], resumed["samples"]) == (expected["results"], expected["samples"])
+    with pytest.raises(SystemExit):  # other settings than the file's
+        main(args[:-4] + ["--samples", "3", "--haystack", haystack, "--out", str(out), "--resume"])
+
+
 def test_cli_extended_tasks(tiny_source, haystack, tmp_path):
     out = tmp_path / "extended.json"
     main(["eval", "ruler", tiny_source, "--tasks", "multikey,vt", "--lengths", "500", "--samples", "1",

@@ -5,7 +5,7 @@
     linjax eval approx TEACHER STUDENT --data FILE --num-seqs N --seq-len L --out DIR
     linjax eval diagnostics SOURCE --data FILE [--student S] --num-seqs N --seq-len L --out DIR
     linjax eval ruler MODEL --tasks niah_single_1,multikey,vt,... --lengths 1024,2048 --samples N
-        [--budgets 128,512 [--window-only]] --out F.json
+        [--budgets 128,512 [--window-only]] --out F.json [--resume | --overwrite]
     linjax eval select-layers [--layers N] --keep 0.2 --by uniform|concentration|residual|nmse [--scores F] --out F.toml
     linjax eval lambada MODEL --data-dir DIR [--limit N] [--batch-size B] --out F.json [--resume | --overwrite]
     linjax eval lm-eval MODEL --tasks piqa,arc_easy [--data-dir DIR] [--limit N] [--num-fewshot N] [--batch-size B]
@@ -107,12 +107,12 @@ def _select_layers(args):
 
 
 def _ruler(args):
-    _refuse_earlier_results(args, args.out)
+    _refuse_earlier_results(args, args.out, args.resume)
     result = ruler.run(args.model, tasks=args.tasks, lengths=args.lengths, samples=args.samples,
                        out=args.out, budgets=args.budgets or None, sinks=args.sinks,
                        window_only=args.window_only, haystack=args.haystack,
                        seed=args.seed, retain=args.retain, retain_score=args.retain_score,
-                       retain_block=args.retain_block)
+                       retain_block=args.retain_block, resume=args.resume)
     print("\n" + result["table_markdown"] + f"\n→ {args.out}")
 
 
@@ -228,9 +228,12 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--haystack", help="haystack text for niah_single_2/3, multikey, multivalue and multiquery "
                                       "(default: RULER's Paul Graham essays)")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it)")
+    p.add_argument("--out", required=True, help="results JSON (a Markdown table goes next to it), written after "
+                                                "every sample")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="go on from the samples --out already holds")
+    again.add_argument("--overwrite", action="store_true", help="replace the results --out holds")
     watchdog.add_argument(p)
-    _add_overwrite(p)
     p.set_defaults(func=_ruler, watched="linjax eval ruler")
 
     p = evals.add_parser("select-layers", help="layers to keep as full attention, as a config fragment")
