@@ -124,3 +124,14 @@ def window_mechanisms() -> tuple[str, ...]:
     from linjax.mixers.softmax import SoftmaxAttention
 
     return tuple(name for name, mixer in MIXERS.items() if mixer is not SoftmaxAttention)
+
+
+def stopping_at_call(n: int, function, calls: list):
+    """`function`, but its n-th call raises KeyboardInterrupt (a run stopped part way); each call is
+    appended to `calls`."""
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return function(*args, **kwargs)
+    return stopping

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers import results_script
+from tests.helpers import results_script, stopping_at_call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,15 +198,8 @@ def test_paired_scoring_goes_on_from_where_it_stopped(claims, monkeypatch, tmp_p
     assert whole["results"][0]["nll"] == scored("whole", "first")["results"][0]["nll"]  # the same model
 
     monkeypatch.setattr(claims, "eval_dir", lambda row: str(tmp_path / "stopped" / row))
-    calls, score = [], perplexity.window_scores
-
-    def stop_at_the_third_window(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return score(*args, **kwargs)
-
-    monkeypatch.setattr(perplexity, "window_scores", stop_at_the_third_window)
+    score = perplexity.window_scores
+    monkeypatch.setattr(perplexity, "window_scores", stopping_at_call(3, score, []))  # the third window
     with pytest.raises(KeyboardInterrupt):
         claims.evaluate_paired(["first", "second"])
     stopped = scored("stopped", "second")

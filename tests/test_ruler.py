@@ -12,6 +12,7 @@ from linjax.eval import ruler
 import linjax
 from linjax.app.cli import main
 from linjax.linearize import with_budget
+from tests.helpers import stopping_at_call
 
 
 @pytest.fixture(scope="module")
@@ -193,14 +194,7 @@ def test_a_stopped_run_resumes_from_its_last_sample(tiny_source, haystack, tmp_p
     whole = tmp_path / "whole.json"
     main(args + ["--out", str(whole)])
     calls, real_generate = [], ruler.generate
-
-    def stopped_at_the_third(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_generate(*a, **k)
-
-    monkeypatch.setattr(ruler, "generate", stopped_at_the_third)
+    monkeypatch.setattr(ruler, "generate", stopping_at_call(3, real_generate, calls))
     out = tmp_path / "ruler.json"
     with pytest.raises(KeyboardInterrupt):
         main(args + ["--out", str(out)])
