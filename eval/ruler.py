@@ -152,7 +152,7 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
                 details += cell(rows)
                 if progress:
                     print(f"{task} @ {length} [{variant}]: {accuracy:.2f}", flush=True)
-                result = _write(out, name, settings, results, details, False)
+                _write(out, name, settings, results, details, False)  # the finished cell in `results`
     return _write(out, name, settings, results, details, True)
 
 
