@@ -74,7 +74,7 @@ class LinearAttention(Attention):
         default = hd ** -0.5 if self.linear_scale is None else self.linear_scale
         self.scale = float(scale) if scale is not None else default
         self.output_gain = nn.Parameter(torch.ones(H)) if settings.get("output_gain") else None
-        self.conv = settings.get("adapter") in ("shortconv", "shortconv+lora")  # LoRA is merged in q/k/v/o
+        self.conv = "shortconv" in (settings.get("adapter") or "").split("+")  # LoRA is merged in q/k/v/o
         self.conv_on_window = bool(settings.get("conv_on_window", False))
         if self.conv:
             K = int(settings.get("conv_kernel", 8))

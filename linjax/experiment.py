@@ -22,7 +22,7 @@ import os
 import tomllib
 from typing import Any
 
-from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig
+from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig, adapter_parts
 from linjax.platform import has_cuda, resolve_dtype
 
 OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
@@ -178,7 +178,7 @@ class TrainSection:
     def learning_rate(self, adapter: str | None) -> float:
         if self.lr is not None:
             return self.lr
-        return 5e-4 if adapter in ("lora", "shortconv+lora") else 2e-3  # the paper lowers it for LoRA
+        return 5e-4 if "lora" in adapter_parts(adapter) else 2e-3  # the paper lowers it for LoRA
 
 
 EVALUATIONS = ("perplexity", "approx", "lm_eval", "ruler")

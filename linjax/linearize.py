@@ -53,6 +53,11 @@ KERNELS = ("auto", "chunked", "pallas")
 RETAIN_SCORES = retention.SCORES
 
 
+def adapter_parts(adapter: str | None) -> set[str]:
+    """The adapters a setting names: "shortconv+lora" is both."""
+    return set((adapter or "").split("+")) - {""}
+
+
 # `scale = "fla_default"`: FLA's kernels' output scale, Dk^-1/2 (stored as None).
 FLA_DEFAULT_SCALE = "fla_default"
 
@@ -217,11 +222,11 @@ class LinearizeConfig:
 
     @property
     def uses_shortconv(self) -> bool:
-        return self.adapter in ("shortconv", "shortconv+lora")
+        return "shortconv" in adapter_parts(self.adapter)
 
     @property
     def uses_lora(self) -> bool:
-        return self.adapter in ("lora", "shortconv+lora")
+        return "lora" in adapter_parts(self.adapter)
 
     def uses_pallas(self) -> bool:
         """Whether the mixers run the Pallas kernels ("auto" resolved for this process's devices)."""
