@@ -80,6 +80,8 @@ ROWS = {
     "gdn-w56-s8-shortconv-1024": "the final recipe trained at 1,024 tokens (1,000 steps; the same tokens)",
     "gdn-w56-s8-shortconv-identity": "the final recipe with the short conv started as the identity (the control "
                                      "for the conv on both paths started so)",
+    **{f"gdn-w56-s8-shortconv-identity-seed{seed}": f"the short conv started as the identity, seed {seed}"
+       for seed in (2, 3)},
     "gdn-w56-s8-shortconv-conv-on-window": "the final recipe with the short conv on the window's q, k, v too "
                                            "(PyTorch's init, as the paper's conv)",
     "gdn-w56-s8-shortconv-conv-on-window-identity": "the same, the conv started as the identity",
@@ -541,6 +543,10 @@ CLAIMS = [
      "gdn-w56-s8-shortconv-conv-on-window-identity", "gdn-w56-s8-shortconv-identity"),
     ("PyTorch's init of the short conv (the paper's) beats starting it as the identity", "—",
      "gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-identity"),
+    ("short conv helps when started as the identity (GDN + w56 + s8)", "—",
+     "gdn-w56-s8-shortconv-identity", "gdn-w56-s8"),
+    ("short conv started as the identity beats LoRA (GDN + w56 + s8)", "—",
+     "gdn-w56-s8-shortconv-identity", "gdn-w56-s8-lora"),
     ("LoRA added in a second stage beats a second stage without it (CE then CE, the same restart)", "—",
      "gdn-w56-s8-shortconv-ce-lora", "gdn-w56-s8-shortconv-ce-ce"),
     ("short conv beats LoRA (GDN + w56 + s8)", "short conv above LoRA on most benchmarks (Table 3)",

@@ -153,7 +153,7 @@ def test_replicates_and_the_control_differ_from_their_rows_only_where_named(clai
         return config["model"], config["linearize"], config["data"], train
 
     replicates = [row for row in claims.ROWS if "-seed" in row]
-    assert len(replicates) == 12  # seeds 2 and 3 of six rows
+    assert len(replicates) == 14  # seeds 2 and 3 of seven rows
     for row in replicates:
         base, seed = row.rsplit("-seed", 1)
         assert settings(row) == settings(base), row
