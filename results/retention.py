@@ -306,7 +306,7 @@ def lambada_lines() -> list[str]:
         return lines + ["Not run yet: `python results/retention.py lambada`.", ""]
     n = min(len(v["examples"]) for v in scored.values())
     correct = {r: [e["greedy"] for e in v["examples"][:n]] for r, v in scored.items()}
-    lines += [f"LAMBADA (OpenAI), the first {n} examples, the final recipe read three ways, scored as `linjax eval "
+    lines += [f"LAMBADA (OpenAI), the first {n:,} examples, the final recipe read three ways, scored as `linjax eval "
               "lambada` scores them (lm-eval's lambada_openai); Δ: accuracy with retention minus the other's, in "
               "points, 95% paired bootstrap interval over examples.", "",
               "| reading | acc | ppl | retained minus this: Δ acc [95%] |", "|---|---|---|---|"]
