@@ -414,6 +414,7 @@ def metrics_of(row):
     full = full if full and full.get("complete") else None
     m["lambada_full_acc"] = 100 * full["acc"] if full else None
     m["lambada_full_ppl"] = full["perplexity"] if full else None
+    m["lambada_examples"] = full["examples"] if full else None
     if lam is None and full:  # the first 1,000 of the JAX scorer's examples: the same figures as lm-eval's
         first = lambada_summary(full["examples"][:LAMBADA_LIMIT])
         m["lambada_acc"], m["lambada_ppl"] = 100 * first["acc"], first["perplexity"]
@@ -472,6 +473,21 @@ def paired_bootstrap(a, b, draws=BOOTSTRAP_DRAWS, seed=0):
     points, samples = resampled_log_ppl([a, b], draws, seed)
     low, high = np.percentile(samples[0] - samples[1], [2.5, 97.5])
     return float(points[0] - points[1]), float(low), float(high)
+
+
+def paired_accuracy_bootstrap(a, b, draws=BOOTSTRAP_DRAWS, seed=0):
+    """(point, low, high): LAMBADA accuracy of `a` minus that of `b` in percentage points, both scored on
+    the same examples (lists of `linjax eval lambada` per-example results), with its 95% percentile
+    interval from resampling examples with replacement. Per example the difference is +1, -1 or 0, so a
+    resample is fully described by how many of each it draws: one multinomial draw of three counts."""
+    if len(a) != len(b):
+        raise ValueError("the rows were not scored on the same LAMBADA examples")
+    diff = np.array([int(x["greedy"]) - int(y["greedy"]) for x, y in zip(a, b)])
+    shares = np.array([(diff == 1).mean(), (diff == -1).mean(), (diff == 0).mean()])
+    counts = np.random.default_rng(seed).multinomial(len(diff), shares, size=draws)
+    samples = 100 * (counts[:, 0] - counts[:, 1]) / len(diff)
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return float(100 * diff.mean()), float(low), float(high)
 
 
 def gap_closed(row, window, original, draws=BOOTSTRAP_DRAWS, seed=0):
@@ -674,13 +690,18 @@ def report():
               f"direction), with its 95% interval from a paired bootstrap over the file's articles "
               f"({BOOTSTRAP_DRAWS:,} draws, seed 0). It **holds** when the interval is below 0, **does not hold** "
               "when it is above 0, and is **undecided** when it spans 0 or a row has no per-window results. "
-              "The interval is over the test text only; it says nothing about the training seed.", "",
+              "The interval is over the test text only; it says nothing about the training seed. Where both "
+              "rows have all 5,153 LAMBADA examples scored (`lambada-full`), the claim also shows the difference "
+              "in LAMBADA accuracy, better minus worse in percentage points (positive: the claim's direction), "
+              "with its 95% interval from a paired bootstrap over the examples (the same draws count); it is "
+              "shown beside the verdict, not folded into it.", "",
               "Earlier rule (first 64 windows): seed spread |ppl(seed 1) - ppl(seed 2)| of the final recipe = "
               + (f"{spread:.2f}" if spread is not None else "not yet measured (seed 2 pending)")
               + "; a perplexity gap no larger than that is not counted either way.", "",
               "| claim | the paper | linjax, better row vs worse row: WikiText-2 ppl (64 windows); LAMBADA acc | "
-              "whole file: Δ log-ppl [95% interval] | by the interval | earlier rule |",
-              "|---|---|---|---|---|---|"]
+              "whole file: Δ log-ppl [95% interval] | by the interval | LAMBADA all 5,153: Δ acc, points "
+              "[95% interval] | earlier rule |",
+              "|---|---|---|---|---|---|---|"]
     for claim, paper, better, worse in CLAIMS:
         b, w = metrics[better], metrics[worse]
         ours = (f"{better} vs {worse}: {fmt(b['ppl'])} vs {fmt(w['ppl'])}; "
@@ -690,8 +711,12 @@ def report():
             better_windows, worse_windows = common_windows(windows[better], windows[worse])
             interval = paired_bootstrap(better_windows, worse_windows)
             scored = (len(better_windows["nll"]), len(set(better_windows["article"])), WHOLE_FILE_WINDOWS)
+        lambada = "—"
+        if b["lambada_examples"] and w["lambada_examples"]:
+            point, low, high = paired_accuracy_bootstrap(b["lambada_examples"], w["lambada_examples"])
+            lambada = f"{point:+.1f} [{low:+.1f}, {high:+.1f}]"
         lines.append(f"| {claim} | {paper} | {ours} | {fmt_interval(interval, scored)} | {interval_verdict(interval)} | "
-                     f"{verdict(b, w, spread)} |")
+                     f"{lambada} | {verdict(b, w, spread)} |")
     seeds_windows = [windows[r] for r in ("gdn-w56-s8-shortconv", "gdn-w56-s8-shortconv-seed2")]
     if all(seeds_windows):
         first, second = common_windows(*seeds_windows)
@@ -703,7 +728,7 @@ def report():
                      + ("the seeds differ by more than the test text's sampling error: an interval over articles "
                         "understates a claim's uncertainty across seeds" if interval[1] > 0 or interval[2] < 0 else
                         "the seeds do not differ beyond the test text's sampling error")
-                     + " | — |")
+                     + " | — | — |")
     earlier = _load(os.path.join(HERE, "wikitext2", "gdn-w56-s8-shortconv-after.json"))
     window = metrics["window-w56-s8"]["ppl"]
     if earlier and window:
@@ -711,13 +736,13 @@ def report():
         lines += [f"| the linear state adds to the window: an earlier, shorter run (the final recipe, 200 steps x 1,024 "
                   "tokens, results/wikitext2/gdn-w56-s8-shortconv-after.json; same 64 windows) | — | "
                   f"{ppl:.2f} vs window-only {window:.2f} ({100 * (1 - ppl / window):.1f}% lower) | "
-                  f"— | {interval_verdict(None)} | {'holds' if ppl < window else 'does not hold'} (one seed) |"]
+                  f"— | {interval_verdict(None)} | — | {'holds' if ppl < window else 'does not hold'} (one seed) |"]
     pure = metrics["gdn"]
     early = ("pending" if pure.get("nmse_first8") is None else
              ("holds" if pure["nmse_first8"] > pure["nmse_after64"] else "does not hold"))
     lines.append("| error is largest on early tokens (pure GDN, per-token nMSE) | Fig. 4c: highest at the first "
                  f"tokens | tokens 1-8: {fmt(pure.get('nmse_first8'), 3)}; tokens 64+: "
-                 f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | {early} |")
+                 f"{fmt(pure.get('nmse_after64'), 3)} | — | no interval (8 sequences) | — | {early} |")
     lines += seed_lines(metrics)
     lines += gap_lines(windows)
     lines += training_length_lines(metrics)

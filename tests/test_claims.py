@@ -61,6 +61,28 @@ def test_rows_without_per_window_results_or_on_other_windows_are_not_compared(cl
         claims.paired_bootstrap(better, {**worse, "tokens": worse["tokens"][:-1]})
 
 
+def lambada_examples(correct):
+    return [{"loglikelihood": -1.0, "greedy": bool(c), "target_tokens": 1} for c in correct]
+
+
+def test_the_lambada_accuracy_difference_is_paired_over_examples(claims):
+    rng = np.random.default_rng(4)
+    worse = rng.random(2000) < 0.3
+    better = worse | (rng.random(2000) < 0.1)  # right wherever `worse` is, and on about 7% more
+    point, low, high = claims.paired_accuracy_bootstrap(lambada_examples(better), lambada_examples(worse))
+    assert point == pytest.approx(100 * (better.mean() - worse.mean()))
+    assert 0 < low < point < high
+    # Paired: the examples both get right or wrong cancel, so the interval is far narrower than an
+    # unpaired one over two accuracies near 30% (about ±2.8 points each).
+    assert high - low < 2.5
+    swapped = claims.paired_accuracy_bootstrap(lambada_examples(worse), lambada_examples(better))
+    assert swapped[1] < swapped[2] < 0
+    same = claims.paired_accuracy_bootstrap(lambada_examples(worse), lambada_examples(worse))
+    assert same == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same LAMBADA examples"):
+        claims.paired_accuracy_bootstrap(lambada_examples(better), lambada_examples(worse[:-1]))
+
+
 def test_the_share_of_the_gap_closed(claims):
     row, window = scored_rows(-0.3, seed=3)  # row: 0.3 nats per token below window-only, article by article
     original, _ = scored_rows(-0.6, seed=3)  # the original: twice as far below
@@ -102,10 +124,12 @@ def test_the_report_of_the_committed_rows(claims, monkeypatch, tmp_path):
     assert "| 1,000 + 1,000 | 1 then 2 |" in text  # the two-stage row's steps and seeds
     for claim, _, *rows in claims.CLAIMS:
         line = next(line for line in text.splitlines() if line.startswith(f"| {claim} |"))
-        by_interval, earlier = line.strip("| ").split(" | ")[-2:]
+        by_interval, lambada, earlier = line.strip("| ").split(" | ")[-3:]
         assert by_interval.split(" (")[0] in ("holds", "does not hold", "undecided")
         evaluated = all(claims.metrics_of(row)["ppl"] is not None for row in rows)
         assert (earlier != "pending") == evaluated
+        both_scored = all(claims.metrics_of(row)["lambada_examples"] for row in rows)
+        assert (lambada != "—") == both_scored
 
 
 def test_the_lolcats_peer_is_two_stages_of_the_claims_budget(claims, monkeypatch):
