@@ -693,7 +693,7 @@ def report():
               "The interval is over the test text only; it says nothing about the training seed. Where both "
               "rows have all 5,153 LAMBADA examples scored (`lambada-full`), the claim also shows the difference "
               "in LAMBADA accuracy, better minus worse in percentage points (positive: the claim's direction), "
-              "with its 95% interval from a paired bootstrap over the examples (the same draws count); it is "
+              "with its 95% interval from a paired bootstrap over the examples (as many draws); it is "
               "shown beside the verdict, not folded into it.", "",
               "Earlier rule (first 64 windows): seed spread |ppl(seed 1) - ppl(seed 2)| of the final recipe = "
               + (f"{spread:.2f}" if spread is not None else "not yet measured (seed 2 pending)")

@@ -72,8 +72,8 @@ def test_the_lambada_accuracy_difference_is_paired_over_examples(claims):
     point, low, high = claims.paired_accuracy_bootstrap(lambada_examples(better), lambada_examples(worse))
     assert point == pytest.approx(100 * (better.mean() - worse.mean()))
     assert 0 < low < point < high
-    # Paired: the examples both get right or wrong cancel, so the interval is far narrower than an
-    # unpaired one over two accuracies near 30% (about ±2.8 points each).
+    # Paired: the examples both get right or both get wrong cancel, so the interval is far narrower
+    # than an unpaired one for two accuracies near 30% on 2,000 examples (about ±2.8 points).
     assert high - low < 2.5
     swapped = claims.paired_accuracy_bootstrap(lambada_examples(worse), lambada_examples(better))
     assert swapped[1] < swapped[2] < 0
