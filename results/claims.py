@@ -574,6 +574,10 @@ CLAIMS = [
      "gdn-w56-s8-shortconv-keep6-hardest", "gdn-w56-s8-shortconv-keep6-uniform"),
     ("training on each distinct document once beats the text with its repeats (GDN + w56 + s8)", "—",
      "gdn-w56-s8-dedup", "gdn-w56-s8"),
+    ("more tokens help: 0.5M beat 0.25M (GDN + w56 + s8; 0.77 epochs of the stream against 0.39)", "—",
+     "gdn-w56-s8-0.5M", "gdn-w56-s8-0.25M"),
+    ("more tokens help: 1M beat 0.5M (GDN + w56 + s8; 1.5 epochs of the stream against 0.77)", "—",
+     "gdn-w56-s8", "gdn-w56-s8-0.5M"),
     ("more tokens help: 2M beat 1M (GDN + w56 + s8; 3.1 epochs of the stream against 1.5)", "—",
      "gdn-w56-s8-2M", "gdn-w56-s8"),
 ]
