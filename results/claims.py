@@ -899,8 +899,9 @@ SCALING_PLOT = os.path.join(HERE, "claims-scaling.png")
 
 def scaling_lines(metrics, data):
     """claims.md's scaling curve: GDN + w56 + s8 (the best windowed row) trained on 0.25, 0.5, 1 and 2M tokens,
-    each with its own cosine schedule, with the epochs each is of the training stream; a plot of WikiText-2
-    perplexity against tokens once two points are measured (results/claims-scaling.png)."""
+    each with its own cosine schedule, with the epochs each is of the training stream; a plot of whole-file
+    WikiText-2 perplexity against tokens once two points are measured, between window-only and full attention,
+    with the 1M point's other seeds (results/claims-scaling.png)."""
     lines = ["", "## More tokens: the scaling curve of GDN + w56 + s8", "",
              "The same row trained 500, 1,000, 2,000 and 4,000 steps x 512 tokens, each with its own cosine "
              "schedule over its steps (100 warm-up steps each), so a shorter run is not a checkpoint of a longer one. "
@@ -918,19 +919,28 @@ def scaling_lines(metrics, data):
         m = metrics[row]
         lines.append(f"| {row} | {trained} | {epochs} | {fmt(m['ppl'])} | {fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} |")
-        if finished and m["ppl"] is not None:
-            points.append((tokens / 1e6, m["ppl"]))
-    window = metrics["window-w56-s8"]["ppl"]
+        if finished and m["ppl_whole_file"] is not None:
+            points.append((tokens / 1e6, m["ppl_whole_file"]))
     if len(points) >= 2:
         from linjax.files import pyplot, write_figure
 
         plt = pyplot()
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(*zip(*points), marker="o", label="GDN + w56 + s8, trained")
-        if window is not None:
-            ax.axhline(window, color="gray", linestyle="--", label="sinks 8 + window 56 alone")
-        ax.set(xscale="log", xlabel="training tokens (millions)", ylabel="WikiText-2 perplexity (64 windows)")
-        ax.legend()
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        ax.plot(*zip(*points), marker="o", label="GDN + w56 + s8, trained (seed 1)")
+        one_million = config_of("gdn-w56-s8")["train"]
+        other_seeds = [metrics[f"gdn-w56-s8-seed{seed}"]["ppl_whole_file"] for seed in (2, 3)]
+        other_seeds = [ppl for ppl in other_seeds if ppl is not None]
+        if other_seeds:
+            x = one_million["steps"] * one_million["seq_len"] * one_million.get("batch_size", 1) / 1e6
+            ax.plot([x] * len(other_seeds), other_seeds, "x", color="C0", label="the same, seeds 2 and 3")
+        for row, style, label in (("window-w56-s8", "--", "sinks 8 + window 56 alone"),
+                                  ("original", ":", "full attention (the teacher)")):
+            if metrics[row]["ppl_whole_file"] is not None:
+                ax.axhline(metrics[row]["ppl_whole_file"], color="gray", linestyle=style, label=label)
+        ax.set(xscale="log", xlabel="training tokens", ylabel="WikiText-2 perplexity (whole test file)")
+        ax.set_xticks([x for x, _ in points], [f"{x:.2f}M" for x, _ in points])
+        ax.minorticks_off()
+        ax.legend(fontsize="small", loc="lower left", bbox_to_anchor=(0, 0.1))  # the empty band above the teacher
         write_figure(fig, SCALING_PLOT)
         lines += ["", f"![WikiText-2 perplexity against training tokens]({os.path.basename(SCALING_PLOT)})"]
     else:
