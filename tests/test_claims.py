@@ -261,18 +261,20 @@ def test_each_variant_row_is_its_base_with_the_named_changes_only(claims):
 
 def test_the_scaling_section_lists_every_point_and_plots_from_two(claims, monkeypatch, tmp_path):
     """The scaling curve's table lists its four rows with tokens and epochs; a row still training says
-    at which step; the plot is drawn once two finished rows have a perplexity, and not before."""
+    at which step; the plot is drawn once two finished rows have a whole-file perplexity, and not before."""
     data = {"tokens_per_epoch": 655_000, "unique_tokens": 470_000}
     metrics = {row: {"ppl": None, "ppl_whole_file": None, "lambada_acc": None} for row in claims.ROWS}
     monkeypatch.setattr(claims, "SCALING_PLOT", str(tmp_path / "scaling.png"))
     state = {"gdn-w56-s8-0.25M": (500, True), "gdn-w56-s8-0.5M": (1000, True), "gdn-w56-s8": (2000, True),
              "gdn-w56-s8-2M": (1234, False)}
     monkeypatch.setattr(claims, "training_state", lambda row: state[row])
-    metrics["gdn-w56-s8"]["ppl"] = 35.5
+    metrics["gdn-w56-s8"]["ppl_whole_file"] = 35.7
     lines = claims.scaling_lines(metrics, data)
     assert "| gdn-w56-s8-2M | 2.05M (at step 1,234 of 4,000) | 3.13 / 4.36 |" in "\n".join(lines)
     assert "1 of 4 points measured" in lines[-1] and not (tmp_path / "scaling.png").exists()
-    metrics["gdn-w56-s8-0.25M"]["ppl"] = 39.0
+    metrics["gdn-w56-s8-0.25M"]["ppl_whole_file"] = 39.0
+    for row, ppl in (("gdn-w56-s8-seed2", 36.1), ("window-w56-s8", 42.3), ("original", 25.0)):
+        metrics[row]["ppl_whole_file"] = ppl  # the other seeds' marks and both reference lines are drawn too
     lines = claims.scaling_lines(metrics, data)
     assert (tmp_path / "scaling.png").stat().st_size > 0 and "scaling.png" in lines[-1]
 
