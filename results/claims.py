@@ -908,7 +908,7 @@ def scaling_lines(metrics, data):
              "Epochs: of the training stream as read / of its unique tokens.", "",
              "| row | tokens trained | epochs | WikiText-2 ppl (64 windows) | whole file | LAMBADA acc |",
              "|---|---|---|---|---|---|"]
-    points = []
+    points, millions = [], {}
     for row in SCALING:
         train = config_of(row)["train"]
         steps = train["steps"]
@@ -916,7 +916,7 @@ def scaling_lines(metrics, data):
         epochs = "—" if not data else f"{tokens / data['tokens_per_epoch']:.2f} / {tokens / data['unique_tokens']:.2f}"
         done, finished = training_state(row)
         trained = f"{tokens / 1e6:.2f}M" + ("" if finished else f" (at step {done:,} of {steps:,})")
-        m = metrics[row]
+        m, millions[row] = metrics[row], tokens / 1e6
         lines.append(f"| {row} | {trained} | {epochs} | {fmt(m['ppl'])} | {fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} |")
         if finished and m["ppl_whole_file"] is not None:
@@ -927,12 +927,10 @@ def scaling_lines(metrics, data):
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         ax.plot(*zip(*points), marker="o", label="GDN + w56 + s8, trained (seed 1)")
-        one_million = config_of("gdn-w56-s8")["train"]
         other_seeds = [metrics[f"gdn-w56-s8-seed{seed}"]["ppl_whole_file"] for seed in (2, 3)]
         other_seeds = [ppl for ppl in other_seeds if ppl is not None]
         if other_seeds:
-            x = one_million["steps"] * one_million["seq_len"] * one_million.get("batch_size", 1) / 1e6
-            ax.plot([x] * len(other_seeds), other_seeds, "x", color="C0", label="the same, seeds 2 and 3")
+            ax.plot([millions["gdn-w56-s8"]] * len(other_seeds), other_seeds, "x", color="C0", label="the same, seeds 2 and 3")
         for row, style, label in (("window-w56-s8", "--", "sinks 8 + window 56 alone"),
                                   ("original", ":", "full attention (the teacher)")):
             if metrics[row]["ppl_whole_file"] is not None:
