@@ -920,7 +920,7 @@ def scaling_lines(metrics, data):
         lines.append(f"| {row} | {trained} | {epochs} | {fmt(m['ppl'])} | {fmt(m['ppl_whole_file'])} | "
                      f"{fmt(m['lambada_acc'], 1)} |")
         if finished and m["ppl_whole_file"] is not None:
-            points.append((tokens / 1e6, m["ppl_whole_file"]))
+            points.append((millions[row], m["ppl_whole_file"]))
     if len(points) >= 2:
         from linjax.files import pyplot, write_figure
 
@@ -930,7 +930,8 @@ def scaling_lines(metrics, data):
         other_seeds = [metrics[f"gdn-w56-s8-seed{seed}"]["ppl_whole_file"] for seed in (2, 3)]
         other_seeds = [ppl for ppl in other_seeds if ppl is not None]
         if other_seeds:
-            ax.plot([millions["gdn-w56-s8"]] * len(other_seeds), other_seeds, "x", color="C0", label="the same, seeds 2 and 3")
+            ax.plot([millions["gdn-w56-s8"]] * len(other_seeds), other_seeds, "x", color="C0",
+                    label="the same, seeds 2 and 3")
         for row, style, label in (("window-w56-s8", "--", "sinks 8 + window 56 alone"),
                                   ("original", ":", "full attention (the teacher)")):
             if metrics[row]["ppl_whole_file"] is not None:
