@@ -159,8 +159,7 @@ def load_gguf_tokenizer(path: str, reader=None):
     package and hands it to transformers' torch-free GGUF tokenizer builder.
     """
     try:  # transformers on use only: it takes half a second to import
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:  # another transformers layout: its own loader (needs torch)
         from transformers import AutoTokenizer
 
