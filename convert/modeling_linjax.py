@@ -41,8 +41,6 @@ Imports only torch, transformers and the standard library (`fla` optionally, on 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,9 +51,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .modeling_linjax_attention import MIXERS, RMSNorm
 from .modeling_linjax_cache import LayerCache
 from .modeling_linjax_kernels import fla_kernels, l2_normalize  # noqa: F401  (public: the tests use them)
+
 # Importing the linear mechanisms registers them in MIXERS.
-from .modeling_linjax_linear import (FeatureMap, chunked_linear, fla_linear, linear_recurrence,  # noqa: F401
-                                     run_linear)
+from .modeling_linjax_linear import FeatureMap, chunked_linear, fla_linear, linear_recurrence, run_linear  # noqa: F401
 
 # The output field that generate feeds back as the next step's cache: `cache` from transformers 5.24 on.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -70,11 +68,11 @@ class LinjaxConfig(PretrainedConfig):
 
     def __init__(self, vocab_size: int = 128, hidden_size: int = 64, intermediate_size: int = 128,
                  num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                 head_dim: int = 16, rms_norm_eps: float = 1e-6, rope: Optional[dict] = None,
+                 head_dim: int = 16, rms_norm_eps: float = 1e-6, rope: dict | None = None,
                  max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
                  attention_bias: bool = False, output_bias: bool = False, qk_norm: bool = False,
-                 base_model_type: str = "llama", mixers: Optional[list] = None,
-                 linearize: Optional[dict] = None, **kwargs):
+                 base_model_type: str = "llama", mixers: list | None = None,
+                 linearize: dict | None = None, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -134,7 +132,7 @@ class LinjaxCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+    def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
     def reset(self):
@@ -170,7 +168,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, position_ids, start: int = 0, cache: Optional[LayerCache] = None):
+    def forward(self, x, position_ids, start: int = 0, cache: LayerCache | None = None):
         x = x + self.self_attn(self.input_layernorm(x), position_ids, start, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -182,7 +180,7 @@ class LinjaxModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, m) for m in config.mixers])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, position_ids, cache: Optional[LinjaxCache] = None):
+    def forward(self, input_ids, position_ids, cache: LinjaxCache | None = None):
         """Hidden states of input_ids [B,T], which follow the cache's tokens (if any); advances the cache."""
         start = 0 if cache is None else cache.seen_tokens
         x = self.embed_tokens(input_ids)
