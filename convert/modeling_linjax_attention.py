@@ -10,8 +10,6 @@ modeling_linjax_linear.py. Imports only torch.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -90,7 +88,7 @@ class Attention(nn.Module):
         b, t = o.shape[:2]
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
-    def forward(self, x, position_ids, start: int = 0, cache: Optional[KeyValueCache] = None):
+    def forward(self, x, position_ids, start: int = 0, cache: KeyValueCache | None = None):
         """x [B,T,d] at positions start .. start + T − 1 (after `cache`'s tokens, if one is given)."""
         q, k, v = self.qkv(x, position_ids)
         positions = token_positions(start, x.shape[1], x.device)
