@@ -9,8 +9,6 @@ Imports only torch.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -48,7 +46,7 @@ class KeyValueCache(LayerCache):
     all of them (window None: full softmax attention), or the first `sinks` and the last `window`
     (kernels/swa.py WindowCache, kept in position order instead of a ring)."""
 
-    def __init__(self, sinks: int = 0, window: Optional[int] = None):
+    def __init__(self, sinks: int = 0, window: int | None = None):
         self.sinks, self.window = sinks, window
         self.keys = self.values = self.positions = None
         self.length = 0  # tokens seen
