@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +71,7 @@ def token_positions(start: int, length: int, device) -> torch.Tensor:
     return torch.arange(start, start + length, device=device)
 
 
-def window_softmax_parts(q, k, v, query_positions, key_positions, sinks: int, window: Optional[int]):
+def window_softmax_parts(q, k, v, query_positions, key_positions, sinks: int, window: int | None):
     """Unnormalised softmax over I_t = {j ≤ t : j < sinks or t − j < window} (window None: all j ≤ t).
 
     q [B,T,H,D] at query_positions [T]; k, v [B,L,Hkv,D] at key_positions [L] (the new tokens'
@@ -205,7 +204,7 @@ def chunked_form(q, k, v, log_decay, beta, scale: float, initial_state=None, chu
     return o[:, :T], S
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fla_kernels():
     """FLA's chunk kernels by the names the mechanisms' `fla_kernel` use, or None (no CUDA, or `fla` does not import)."""
     if not torch.cuda.is_available():
