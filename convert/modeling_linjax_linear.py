@@ -23,17 +23,25 @@ the window (modeling_linjax_retention.py) and runs the recurrence one token at a
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .modeling_linjax_attention import MIXERS, Attention, sinks_and_window
 from .modeling_linjax_cache import LinearLayerCache, RetainedSlots
-from .modeling_linjax_kernels import (causal_conv, chunked_form, expand_kv, fla_form, fla_kernels, l2_normalize,
-                                      recurrent_form, resolve_form, shift_linear_inputs, token_positions,
-                                      window_softmax_parts)
+from .modeling_linjax_kernels import (
+    causal_conv,
+    chunked_form,
+    expand_kv,
+    fla_form,
+    fla_kernels,
+    l2_normalize,
+    recurrent_form,
+    resolve_form,
+    shift_linear_inputs,
+    token_positions,
+    window_softmax_parts,
+)
 from .modeling_linjax_retention import SCORES as RETAIN_SCORES
 from .modeling_linjax_retention import admit as admit_retained
 from .modeling_linjax_retention import attend as attend_retained
@@ -125,7 +133,7 @@ class LinearAttention(Attention):
         run = recurrent_form if form == "recurrent" else chunked_form
         return run(q, k, v, log_decay, beta, scale, initial_state)
 
-    def forward(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+    def forward(self, x, position_ids, start: int = 0, cache: LinearLayerCache | None = None):
         """x [B,T,d] at positions start .. start + T − 1; `cache` is read and advanced past them."""
         if self.retain_block > 1:
             return self.forward_retaining_blocks(x, position_ids, start, cache)
@@ -153,7 +161,7 @@ class LinearAttention(Attention):
             parts = window_softmax_parts(softmax_q, keys, values, positions, key_positions, self.sinks, self.window)
         return self.output(lin, parts, x.dtype)
 
-    def forward_retaining(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+    def forward_retaining(self, x, position_ids, start: int = 0, cache: LinearLayerCache | None = None):
         """`forward` with retained tokens (linjax/mixers/retaining.py `by_tokens`): projections, short conv,
         features, gates and the sinks + window softmax run over the block, then each token in turn (which
         tokens are retained depends on the state): the token leaving the window is scored and offered a
@@ -197,7 +205,7 @@ class LinearAttention(Attention):
         parts = tuple(torch.stack(part, dim=1) for part in zip(*parts))
         return self.output(torch.cat(outputs, dim=1), parts, x.dtype)
 
-    def forward_retaining_blocks(self, x, position_ids, start: int = 0, cache: Optional[LinearLayerCache] = None):
+    def forward_retaining_blocks(self, x, position_ids, start: int = 0, cache: LinearLayerCache | None = None):
         """`forward` with retained tokens chosen a block of C = `retain_block` at a time (linjax's
         linjax/mixers/retaining.py `by_blocks`), one token at a time: at a position that is a multiple of C
         the C tokens t − w .. t − w + C − 1 leave the block-aligned window together, compete with the
@@ -286,14 +294,14 @@ class LinearAttention(Attention):
         k = torch.where(written_valid[..., None], k, torch.zeros_like(k))
         return [k, v] + ([decay] if decay is not None else []) + gates
 
-    def window_and_linear_qkv(self, x, position_ids, cache: Optional[LinearLayerCache]):
+    def window_and_linear_qkv(self, x, position_ids, cache: LinearLayerCache | None):
         """(the window softmax's q, k, v, then the linear part's before its feature map): the raw post-RoPE
         q, k, v for the window unless `conv_on_window`, the short conv's output (if any) for the linear part."""
         raw = self.qkv(x, position_ids)
         convolved = self.short_conv(*raw, cache)
         return (*(convolved if self.conv_on_window else raw), *convolved)
 
-    def short_conv(self, q, k, v, cache: Optional[LinearLayerCache]):
+    def short_conv(self, q, k, v, cache: LinearLayerCache | None):
         """q, k, v after the short conv (if any), its inputs' history kept in `cache`."""
         if not self.conv:
             return q, k, v
