@@ -22,7 +22,7 @@ import numpy as np
 
 from linjax import heartbeat
 from linjax.eval.models import load_model
-from linjax.files import read_file_documents, pyplot, write_figure, write_json
+from linjax.files import pyplot, read_file_documents, write_figure, write_json
 from linjax.mixers.softmax import SoftmaxAttention
 from linjax.model import token_positions
 
