@@ -45,8 +45,15 @@ from importlib import metadata
 
 import linjax
 from linjax.eval import latency_point
-from linjax.eval.latency_point import (DEFAULT_RETAIN, DEFAULT_RETAIN_SCORE, IMPLEMENTATIONS, LINJAX_IMPLEMENTATIONS,
-                                       cache_bytes_per_layer, implementation_label, kv_cache_bytes)
+from linjax.eval.latency_point import (
+    DEFAULT_RETAIN,
+    DEFAULT_RETAIN_SCORE,
+    IMPLEMENTATIONS,
+    LINJAX_IMPLEMENTATIONS,
+    cache_bytes_per_layer,
+    implementation_label,
+    kv_cache_bytes,
+)
 from linjax.files import pyplot, write_figure, write_json, write_text
 
 KV_CACHE_IMPLEMENTATIONS = ("full", "transformers")  # state grows with L: checked against free memory first
