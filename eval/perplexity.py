@@ -16,7 +16,7 @@ import bisect
 import math
 import re
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
