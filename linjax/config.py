@@ -111,7 +111,7 @@ class ModelConfig:
         return SUPPORTED_MODEL_TYPES[self.model_type]
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Builds the config from an HF config (dict, `transformers` config, or path to config.json)."""
         fields = _hf_config_dict(hf_config)
         model_type = fields.get("model_type")
