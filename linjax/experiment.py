@@ -19,8 +19,9 @@ import dataclasses
 import json
 import math
 import os
-import tomllib
 from typing import Any
+
+import tomllib
 
 from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig, adapter_parts
 from linjax.platform import has_cuda, resolve_dtype
