@@ -252,7 +252,7 @@ class LinearizeConfig:
         return out
 
     @classmethod
-    def from_dict(cls, fields: dict) -> "LinearizeConfig":
+    def from_dict(cls, fields: dict) -> LinearizeConfig:
         """From settings a user wrote (a TOML section): a missing setting takes today's default."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
@@ -261,7 +261,7 @@ class LinearizeConfig:
         return cls(**fields)
 
     @classmethod
-    def from_saved(cls, fields: dict) -> "LinearizeConfig":
+    def from_saved(cls, fields: dict) -> LinearizeConfig:
         """From settings linjax saved (a checkpoint's manifest): a missing setting takes the default it
         had when the checkpoint was written, so old checkpoints load as they were trained."""
         return cls.from_dict({**LEGACY_DEFAULTS, **fields})
