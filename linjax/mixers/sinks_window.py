@@ -84,14 +84,14 @@ class SinksWindow(nnx.Module):
         self.use_pallas = use_pallas
 
     @classmethod
-    def from_settings(cls, settings) -> "SinksWindow":
+    def from_settings(cls, settings) -> SinksWindow:
         """From a LinearizeConfig."""
         return cls(sinks=settings.sinks, window=settings.window, chunk=settings.chunk,
                    use_pallas=settings.uses_pallas(), retain=settings.retain, retain_score=settings.retain_score,
                    retain_block=settings.retain_block)
 
     def with_budget(self, *, sinks: int, window: int, retain: int | None = None,
-                    retain_score: str | None = None, retain_block: int | None = None) -> "SinksWindow":
+                    retain_score: str | None = None, retain_block: int | None = None) -> SinksWindow:
         """A new SinksWindow with another cache budget (retained slots, their score and block unchanged
         unless given) and the same kernels."""
         return SinksWindow(sinks=sinks, window=window, chunk=self.chunk, use_pallas=self.use_pallas,
