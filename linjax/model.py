@@ -18,7 +18,8 @@ What it does differently from the Hugging Face modules it mirrors:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
