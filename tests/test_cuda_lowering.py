@@ -25,9 +25,9 @@ from flax import nnx
 
 import linjax
 from linjax.config import tiny_config
+from linjax.experiment import REMAT_POLICY, TrainSection
 from linjax.model import CausalLM
 from linjax.train import sharding
-from linjax.experiment import REMAT_POLICY, TrainSection
 from linjax.train.loop import make_optimizer, make_train_step, place_train_state
 from linjax.train.objectives import embedding_floor_loss
 
