@@ -1,7 +1,6 @@
 """`data.deduplicate`: each distinct training document read once (issue 38: the 281 webtext "agreement"
 documents repeat "majority" ones); off by default, so recorded runs read what they read."""
 
-from tests.helpers import missing
 import json
 import os
 
@@ -9,6 +8,7 @@ import pytest
 
 from linjax.experiment import from_dict, setting_changes
 from linjax.train.data import read_documents
+from tests.helpers import missing
 
 
 def write_jsonl(path, texts):
