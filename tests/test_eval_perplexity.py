@@ -1,6 +1,5 @@
 """`linjax eval perplexity`: the scored tokens and the number itself, from the command line."""
 
-from tests.helpers import missing
 import json
 import math
 
@@ -9,6 +8,7 @@ import numpy as np
 import linjax
 from linjax.app.cli import main
 from linjax.eval.perplexity import perplexity, token_windows
+from tests.helpers import missing
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -113,8 +113,6 @@ def test_cli_saves_per_window_results_beside_the_summary(tiny_source, tmp_path, 
 
 def test_wikitext2_test_file_has_62_article_headings_in_order(tokenizer):
     import os
-
-    import pytest
 
     from linjax.eval.perplexity import article_starts, text_windows
 
