@@ -9,6 +9,7 @@ this takes seconds where an interpreter per module would take minutes).
 import os
 import subprocess
 import sys
+
 import tomllib
 
 from tests.conftest import ROOT
