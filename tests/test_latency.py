@@ -15,8 +15,16 @@ import linjax
 from linjax.app.cli import build_parser, main
 from linjax.config import tiny_config
 from linjax.eval import latency
-from linjax.eval.latency_point import (build_linjax_model, cache_bytes_per_layer, greedy_step_function,
-                                       kv_cache_bytes, random_states, state_bytes, state_shapes, with_length)
+from linjax.eval.latency_point import (
+    build_linjax_model,
+    cache_bytes_per_layer,
+    greedy_step_function,
+    kv_cache_bytes,
+    random_states,
+    state_bytes,
+    state_shapes,
+    with_length,
+)
 from linjax.model import CausalLM
 from tests.helpers import require_module
 
