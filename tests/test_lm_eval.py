@@ -170,9 +170,8 @@ def test_smollm2_local_tasks(variant, shared_data, tmp_path):
     require_embedded_model()
     model = "smollm2-135m"
     if variant != "original":
-        from linjax.experiment import from_dict
-
         from linjax import train
+        from linjax.experiment import from_dict
 
         model = str(tmp_path / "run")
         train.run(from_dict({"run_dir": model, "model": {"source": "smollm2-135m"},
