@@ -11,9 +11,9 @@ from flax import nnx
 
 import linjax
 from linjax.config import tiny_config
+from linjax.experiment import ModelSection, TrainSection
 from linjax.model import CausalLM
 from linjax.platform import has_cuda
-from linjax.experiment import ModelSection, TrainSection
 from linjax.train.objectives import lm_loss, next_token_loss
 from tests.helpers import relative_rms
 
