@@ -7,10 +7,10 @@ import re
 import numpy as np
 import pytest
 from flax import nnx
-from linjax.eval import ruler
 
 import linjax
 from linjax.app.cli import main
+from linjax.eval import ruler
 from linjax.linearize import with_budget
 from tests.helpers import stopping_at_call
 
@@ -234,9 +234,8 @@ def test_cli_window_only_baseline(tiny_source, haystack, tmp_path):
 
 
 def test_budget_variants_and_their_errors():
-    from linjax.eval.ruler import budget_variants
-
     from linjax.config import tiny_config
+    from linjax.eval.ruler import budget_variants
     from linjax.linearize import mixer_names
     from linjax.model import CausalLM
 
