@@ -79,8 +79,8 @@ def test_linearized_smollm2_is_finite_at_2048_and_generates(both_models, shared_
     text = open(os.path.join(shared_data, "wikitext", "wikitext-2-raw-v1.test.nonblank.raw")).read()
     ids = tokenizer(text[:20000])["input_ids"][:2048]
     assert len(ids) == 2048
-    from flax import nnx
     import jax
+    from flax import nnx
 
     graphdef, state = nnx.split(model)
     logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray([ids], jnp.int32))
