@@ -15,8 +15,8 @@ from flax import nnx
 
 import linjax
 from linjax import train
-from linjax.layers import Trainable
 from linjax.experiment import from_dict, load_experiment
+from linjax.layers import Trainable
 from linjax.train.data import LocalDocuments, PackedTextDataset
 from tests.conftest import ROOT
 from tests.helpers import missing
@@ -434,6 +434,7 @@ def test_attention_transfer_scanned_by_run_equals_the_layer_by_layer_loss():
     the plain mean over linearized layers, here on a hybrid whose runs are one linear layer, one
     softmax layer and two linear layers."""
     import jax.numpy as jnp
+
     from linjax.config import tiny_config
     from linjax.mixers.softmax import SoftmaxAttention, pretrained_attention
     from linjax.model import CausalLM, token_positions
