@@ -4,8 +4,8 @@
     linjax.train.run(linjax.train.load_experiment("CONFIG.toml"))
 """
 
-from linjax.train import loop
 from linjax.experiment import ExperimentConfig, load_experiment
+from linjax.train import loop
 from linjax.train.loop import Stopped
 
 
