@@ -144,7 +144,7 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
             raise FileNotFoundError(f"shard {name!r} listed in the index is missing from {directory!r}")
         try:
             with safe_open(path, framework="numpy") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 (safetensors' handle is not a dict)
                     tensors[key] = f.get_tensor(key)
         except SafetensorError as err:  # a download or copy cut short, or another format under this name
             raise ValueError(f"could not read {path} ({os.path.getsize(path)} bytes): {err}. The file is truncated "
