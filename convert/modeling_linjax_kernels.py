@@ -206,7 +206,8 @@ def chunked_form(q, k, v, log_decay, beta, scale: float, initial_state=None, chu
 
 @functools.cache
 def fla_kernels():
-    """FLA's chunk kernels by the names the mechanisms' `fla_kernel` use, or None (no CUDA, or `fla` does not import)."""
+    """FLA's chunk kernels by the names the mechanisms' `fla_kernel` use, or None (no CUDA, or `fla` does
+    not import)."""
     if not torch.cuda.is_available():
         return None
     try:
