@@ -72,7 +72,8 @@ class LinearAttention(Attention):
             raise ValueError(f"linearize.retain_block={self.retain_block} needs retain > 0 and a window of at least "
                              f"that many tokens (got retain={self.retain}, window={self.window})")
         if self.retain and not self.window:
-            raise ValueError(f"linearize.retain={self.retain} keeps tokens as they leave the window; it needs window ≥ 1")
+            raise ValueError(f"linearize.retain={self.retain} keeps tokens as they leave the window; "
+                             "it needs window ≥ 1")
         if self.retain_score not in RETAIN_SCORES:
             raise ValueError(f"unknown linearize.retain_score {self.retain_score!r}; expected one of "
                              f"{list(RETAIN_SCORES)}")
