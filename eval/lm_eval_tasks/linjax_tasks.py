@@ -182,5 +182,6 @@ def load_mmlu(linjax_data_dir=None, subject=None, **_):
 
 # ---------------------------------------------------------------- LAMBADA (OpenAI jsonl)
 def load_lambada_openai(linjax_data_dir=None, **_):
-    rows = [{"text": d["text"]} for d in _jsonl(os.path.join(data_dir(linjax_data_dir), "lambada", "lambada_test.jsonl"))]
+    path = os.path.join(data_dir(linjax_data_dir), "lambada", "lambada_test.jsonl")
+    rows = [{"text": d["text"]} for d in _jsonl(path)]
     return _dataset_dict({"test": rows})
