@@ -122,8 +122,9 @@ def _summary_lines(stages: dict) -> list[str]:
     if _usable(approx) and approx.get("per_layer"):
         nmse = [row["nmse"] for row in approx["per_layer"]]
         worst = max(range(len(nmse)), key=nmse.__getitem__)
+        worst_layer = approx["per_layer"][worst].get("layer", worst)
         lines.append(f"- Attention approximation error: mean nMSE {sum(nmse) / len(nmse):.3g} over "
-                     f"{len(nmse)} layers, worst {nmse[worst]:.3g} (layer {approx['per_layer'][worst].get('layer', worst)}).")
+                     f"{len(nmse)} layers, worst {nmse[worst]:.3g} (layer {worst_layer}).")
     lm_eval = stages.get("lm_eval")
     if _usable(lm_eval):
         models = lm_eval.get("models") or {"linearized, trained": lm_eval}
@@ -162,7 +163,8 @@ def write_report(config, run_dir: str, stages: dict) -> str:
     if train:
         tc = config.train
         lines += ["## Training", "",
-                  f"{train['steps']} steps of {tc.batch_size} × {tc.seq_len} packed tokens, objective `{tc.objective}`, "
+                  f"{train['steps']} steps of {tc.batch_size} × {tc.seq_len} packed tokens, "
+                  f"objective `{tc.objective}`, "
                   f"only the new parameters trained. Loss {train['first_loss']:.3f} at step 1, "
                   f"{train['mean_loss_last_10']:.3f} averaged over the last {min(10, train['steps'])} steps; "
                   f"{train['median_tokens_per_s']:.0f} tokens/s (median), {train['seconds'] / 60:.1f} min. "
