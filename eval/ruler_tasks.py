@@ -32,7 +32,8 @@ Templates, answer prefixes, generation lengths and the haystacks follow NVIDIA/R
 niah.py, variable_tracking.py, common_words_extraction.py, freq_words_extraction.py, constants.py and
 scripts/synthetic.yaml), with these differences: the length counts the prompt alone (RULER's includes the
 tokens to generate); niah_single_* generate 24 (48 for UUIDs) tokens rather than 128 (the answer
-prefix ends right before the value, which needs at most 25 tokens); vt's worked example has 3 noise lines (RULER's fills 500 tokens); the words are lists of our own, so
+prefix ends right before the value, which needs at most 25 tokens); vt's worked example has 3 noise
+lines (RULER's fills 500 tokens); the words are lists of our own, so
 cwe draws from about a thousand words (RULER: wonderwords' lists, then a larger English list).
 """
 
