@@ -143,8 +143,9 @@ def run(model_spec: str, *, tasks, lengths, samples: int, out: str, budgets=None
             for variant, m in variants.items():
                 done = [r for r in earlier if (r["task"], r["length"], r["variant"]) == (task, length, variant)]
                 done = [{k: v for k, v in r.items() if k not in ("variant", "length")} for r in done]
-                cell = lambda rows: [dict(r, variant=variant, length=length) for r in rows]
-                save = lambda rows: _write(out, name, settings, results, details + cell(done + rows), False)
+                # Both are called in this iteration only (by `evaluate` as it goes), so they read its cell.
+                cell = lambda rows: [dict(r, variant=variant, length=length) for r in rows]  # noqa: B023
+                save = lambda rows: _write(out, name, settings, results, details + cell(done + rows), False)  # noqa: B023
                 rows = done + evaluate(m, tokenizer, batch[len(done):], progress, on_row=save)
                 accuracy = float(np.mean([r["score"] for r in rows]))
                 results.append({"task": task, "length": length, "variant": variant, "accuracy": accuracy,
