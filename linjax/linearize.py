@@ -192,8 +192,9 @@ class LinearizeConfig:
             raise ValueError(f"retain={self.retain} keeps tokens that leave the window and writes the rest into a "
                              f"linear state: it needs window ≥ 1 and a linear mechanism (got mechanism="
                              f"{self.mechanism!r}, window={self.window})")
-        if not (isinstance(self.retain_block, int) and not isinstance(self.retain_block, bool)) or \
-                self.retain_block < 1 or (self.retain_block > 1 and not (self.retain and self.retain_block <= self.window)):
+        block = self.retain_block
+        if not (isinstance(block, int) and not isinstance(block, bool)) or block < 1 or \
+                (block > 1 and not (self.retain and block <= self.window)):
             raise ValueError(f"retain_block must be an integer ≥ 1, and > 1 needs retain > 0 and window ≥ retain_block "
                              f"(got retain_block={self.retain_block!r}, retain={self.retain}, window={self.window})")
         if self.scale == FLA_DEFAULT_SCALE:  # TOML and the CLI have no None
