@@ -21,7 +21,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
 
 def llama_cpp_permute(weight, heads):
     """What llama.cpp's converter does to LLaMA q/k rows (written from its description)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    halves = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_tiny_gguf(torch_model, config, path):
