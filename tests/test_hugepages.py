@@ -39,7 +39,8 @@ def test_the_linjax_command_starts_again_with_the_tunable(monkeypatch):
     assert path == sys.executable and args[-4:] == ["eval", "ruler", "--lengths", "1024"]
     code = args[args.index("-c") + 1]
     # The new interpreter starts from this one's first sys.path entry, not the working directory.
-    assert code == f"import sys; sys.path[0] = {os.path.abspath(sys.path[0])!r}; from linjax.app.cli import main; main()"
+    first_entry = os.path.abspath(sys.path[0])
+    assert code == f"import sys; sys.path[0] = {first_entry!r}; from linjax.app.cli import main; main()"
     assert environ["GLIBC_TUNABLES"] == TUNABLE
     # Started again (the tunable is set), it runs the command instead of replacing itself once more.
     monkeypatch.setenv("GLIBC_TUNABLES", TUNABLE)
