@@ -66,7 +66,8 @@ def test_a_linearized_model_scores_as_lm_eval_on_its_export(tiny_gdn, tokenizer,
     assert max(len(lambada.encode(tokenizer, text)[0]) for text in texts) > 8 + 2  # beyond the cache
     assert max(example["target_tokens"] for example in ours) > 1
     for theirs, mine in zip(reference, ours, strict=True):
-        assert abs(mine["loglikelihood"] - theirs["loglikelihoods"][0]) <= 1e-4 * max(1.0, abs(theirs["loglikelihoods"][0]))
+        expected = theirs["loglikelihoods"][0]
+        assert abs(mine["loglikelihood"] - expected) <= 1e-4 * max(1.0, abs(expected))
         assert mine["greedy"] == theirs["is_greedy"][0]
 
 
