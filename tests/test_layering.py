@@ -48,8 +48,8 @@ def layer(module: str) -> int:
 
 def source_path(module: str) -> str:
     """The file of a module of the installed packages (pyproject's package-dir layout)."""
-    folders = {"linjax": "linjax", "linjax.app": "linjax/app", "linjax.mixers": "linjax/mixers", "linjax.kernels": "kernels",
-               "linjax.convert": "convert", "linjax.train": "train", "linjax.eval": "eval"}
+    folders = {"linjax": "linjax", "linjax.app": "linjax/app", "linjax.mixers": "linjax/mixers",
+               "linjax.kernels": "kernels", "linjax.convert": "convert", "linjax.train": "train", "linjax.eval": "eval"}
     if module in folders:
         return os.path.join(ROOT, folders[module], "__init__.py")
     package, name = module.rsplit(".", 1)
