@@ -23,7 +23,7 @@ def test_subpackages_import_from_their_folders():
 def test_no_top_level_kernels_convert_train_eval(tmp_path):
     # A fresh interpreter outside the repository, so the checkout itself is not on sys.path.
     code = ("import importlib.util, linjax.kernels, linjax.convert, linjax.train, linjax.eval;"
-            "print([n for n in %r if importlib.util.find_spec(n) is not None])" % (SUBPACKAGES,))
+            f"print([n for n in {SUBPACKAGES!r} if importlib.util.find_spec(n) is not None])")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -95,8 +95,8 @@ def test_installed_command_runs_from_the_checkout_root(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LINJAX_HUGE_PAGES", "PYTHONPATH")}
     command = os.path.join(venv, "bin", "linjax")
     for args in (["run", "--help"], ["train", "--help"], ["--version"]):
-        done = subprocess.run([command, *args], cwd=ROOT, env=env, capture_output=True, text=True,  # checkout root on purpose: the README runs it there
-                              timeout=300)
+        done = subprocess.run([command, *args], env=env, capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)  # checkout root on purpose: the README runs it there
         assert done.returncode == 0, f"linjax {' '.join(args)}:\n{done.stderr[-3000:]}"
     version = subprocess.run([command, "--version"], cwd=ROOT, env=env,  # checkout root on purpose: as above
                              capture_output=True, text=True, timeout=300)
