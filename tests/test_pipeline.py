@@ -115,8 +115,8 @@ def test_export_cli_writes_a_run_directory_that_torch_loads_without_jax(tiny_sou
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "exported"
-    result = subprocess.run([sys.executable, "-m", "linjax.app.cli", "export", str(tmp_path / "run"), "--out", str(out)],
-                            cwd=tmp_path, capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-m", "linjax.app.cli", "export", str(tmp_path / "run"),
+                             "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "trust_remote_code=True" in result.stdout, result.stderr[-3000:]
     assert {"config.json", "model.safetensors", "modeling_linjax.py", "tokenizer.json"} <= set(os.listdir(out))
     tokens = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 6, 300, 2]]
