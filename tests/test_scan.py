@@ -44,7 +44,8 @@ def test_runs_group_identical_consecutive_layers():
     assert layer_runs(model_for("hybrid gla w4 s2, layer 1 kept").layers) == [[0], [1], [2, 3]]
 
 
-@pytest.mark.parametrize("setting,kind", [(s, "llama") for s in SETTINGS] + [("hybrid gla w4 s2, layer 1 kept", "qwen3")])
+@pytest.mark.parametrize("setting,kind",
+                         [(s, "llama") for s in SETTINGS] + [("hybrid gla w4 s2, layer 1 kept", "qwen3")])
 def test_scanned_forward_and_gradients_equal_the_loop(setting, kind):
     model = model_for(setting, kind)
     batch = tokens(24)
