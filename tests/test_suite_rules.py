@@ -73,7 +73,8 @@ def test_subprocesses_are_not_started_from_the_checkout():
             if "# checkout root on purpose:" in line:
                 continue
             for pattern in (r"cwd=ROOT\b", r"PYTHONPATH[\"']?\s*[:=]\s*ROOT\b"):
-                offenders += [f"{os.path.relpath(path, TESTS)}:{number}: {m.group(0)}" for m in re.finditer(pattern, line)]
+                where = f"{os.path.relpath(path, TESTS)}:{number}"
+                offenders += [f"{where}: {m.group(0)}" for m in re.finditer(pattern, line)]
     assert not offenders, offenders
 
 
