@@ -143,7 +143,7 @@ def test_a_second_stage_starts_from_the_first_stages_parameters(tiny_source, cor
     second = train.run(experiment(tmp_path / "ce", tiny_source, corpus, steps=1, warmup_steps=0, lr=0.0,
                                   init_from=str(tmp_path / "transfer")), progress=False)
     fresh = linjax.linearize(linjax.load(tiny_source)[0], first.linearize_config, seed=3)
-    for a, b, c in zip(*(jax.tree.leaves(nnx.state(m, Trainable)) for m in (first, second, fresh))):
+    for a, b in zip(*(jax.tree.leaves(nnx.state(m, Trainable)) for m in (first, second))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(not np.array_equal(a, c) for a, c in zip(*(jax.tree.leaves(nnx.state(m, Trainable))
                                                           for m in (first, fresh))))
