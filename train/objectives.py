@@ -73,7 +73,7 @@ def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
         layer_inputs = jnp.stack([activations[i].input for i in run])
         layer_targets = jnp.stack([activations[i].output for i in run])
 
-        def one_layer(_, xs, graphdef=nnx.graphdef(mixers[0])):
+        def one_layer(_, xs, graphdef=nnx.graphdef(mixers[0])):  # noqa: B008 (bound once, on purpose)
             state, h, target = xs
             student = nnx.merge(graphdef, state)(h, positions)
             return None, jnp.mean(jnp.square(student.astype(jnp.float32) - target.astype(jnp.float32)))
