@@ -1,9 +1,9 @@
 """Does the linear state remember the distant text? Issue 38's loss by position and distant-context swap.
 
-    python results/distant_context.py run [--stride N]   # score the swap's windows, resumable
-    python results/distant_context.py report             # results/distant-context.md
+    python experiments/distant_context.py run [--stride N]   # score the swap's windows, resumable
+    python experiments/distant_context.py report             # results/distant-context.md
 
-Loss by position: the claims rows' whole-file WikiText-2 scores (`results/claims.py evaluate-paired`)
+Loss by position: the claims rows' whole-file WikiText-2 scores (`experiments/claims.py evaluate-paired`)
 keep the NLL summed per position; the report gives it in bands of position, inside the 64-token
 cache (every earlier token is in it) and beyond it, for every row scored.
 
@@ -20,7 +20,7 @@ recipe's gain over window-only that survives the swap,
 
     kept = (L_window,swapped − L_final,swapped) / (L_window − L_final),
 
-with a 95% interval from resampling articles (`results/claims.py`'s resamples: every reading draws the
+with a 95% interval from resampling articles (`experiments/claims.py`'s resamples: every reading draws the
 same articles). What is not kept came from the distant text through the linear state.
 
 Readings take turns window by window and are saved after every window (results/distant-context/
@@ -37,12 +37,13 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # run as a script or loaded by path: its sibling results/claims.py
+sys.path.insert(0, HERE)  # run as a script or loaded by path: its sibling experiments/claims.py
 import claims  # noqa: E402  (rows, WikiText-2 settings, per-window files, bootstrap)
 
 ROOT = os.path.dirname(HERE)
-CELLS = os.path.join(HERE, "distant-context")
-REPORT = os.path.join(HERE, "distant-context.md")
+RESULTS = os.path.join(ROOT, "results")
+CELLS = os.path.join(RESULTS, "distant-context")
+REPORT = os.path.join(RESULTS, "distant-context.md")
 SINKS, SCORED, KEPT_TAIL = 8, 64, 120  # the sinks, the tokens scored, the tail left as it is (56 + 64)
 STRIDE = 8  # every 8th full window: 37 windows, each in another article or nearly
 FINAL = "gdn-w56-s8-shortconv"  # the final recipe, seed 1
@@ -127,7 +128,7 @@ def run(stride: int = STRIDE) -> None:
 def position_lines() -> list[str]:
     """NLL per token by band of position, from the claims rows' whole-file per-position sums."""
     lines = ["## Loss by position", "",
-             "WikiText-2's whole test file (`results/claims.py evaluate-paired`, every row on the same windows "
+             "WikiText-2's whole test file (`experiments/claims.py evaluate-paired`, every row on the same windows "
              "where both are complete; a partial row on its first windows): NLL per token of the tokens predicted "
              "at these positions of a 1,024-token window. Up to position 63 every earlier token is in the 64-token "
              "cache; beyond it, only the linear state holds what left the window.", ""]
@@ -154,7 +155,7 @@ def swap_lines() -> list[str]:
              "of the first minus the second on the windows both have, 95% paired bootstrap interval over articles.", ""]
     if not all(cells.values()):
         missing = ", ".join(r for r, c in cells.items() if not c)
-        return lines + [f"Not run yet: {missing} (`python results/distant_context.py run`)."]
+        return lines + [f"Not run yet: {missing} (`python experiments/distant_context.py run`)."]
     cut = dict(zip(cells, claims.common_windows(*cells.values())))
     n, articles = len(cut["final"]["nll"]), len(set(cut["final"]["article"]))
     lines += [f"{n} windows in {articles} articles" + ("" if all(c["complete"] for c in cells.values())
@@ -185,7 +186,7 @@ def report() -> None:
     from linjax.files import write_text
 
     lines = ["# Does the linear state remember the distant text? (issue 38)", "",
-             "Made by `python results/distant_context.py report`. The final recipe is "
+             "Made by `python experiments/distant_context.py report`. The final recipe is "
              f"`results/runs/{FINAL}` (seed 1); window-only is sinks 8 + window 56 softmax with no state, "
              "untrained; the original is SmolLM2-135M with full attention.", "",
              *position_lines(), "", *swap_lines()]

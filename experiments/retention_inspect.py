@@ -1,9 +1,9 @@
 """Where an S-NIAH needle sits in the retained slots while the prompt is read (issue 37's misses).
 
-    python results/retention_inspect.py SAMPLE|all [--task niah1] [--length 2048] [--run final|trained]
+    python experiments/retention_inspect.py SAMPLE|all [--task niah1] [--length 2048] [--run final|trained]
                                          [--force-needle]
 
-SAMPLE is a prompt of a grid cell (results/retention.py: seed 0, the same 20 prompts as the cell's
+SAMPLE is a prompt of a grid cell (experiments/retention.py: seed 0, the same 20 prompts as the cell's
 file, numbered from 0); `all` reads the cell's 20 prompts one after another. The run reads it at 8
 sinks + 56 window + 64 retained by recall, 16 tokens at a time: `final`, the final recipe
 (results/runs/gdn-w56-s8-shortconv) choosing token by token; `trained`, the final recipe trained with
@@ -39,12 +39,13 @@ from linjax.kernels import retention
 from linjax.linearize import with_budget
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "results")
 RUNS = {  # name -> (run directory, retain_block it chooses by)
-    "final": (os.path.join(HERE, "runs", "gdn-w56-s8-shortconv"), 1),
-    "trained": (os.path.join(HERE, "runs", "gdn-w56-s8-shortconv-retain64"), 8),
+    "final": (os.path.join(RESULTS, "runs", "gdn-w56-s8-shortconv"), 1),
+    "trained": (os.path.join(RESULTS, "runs", "gdn-w56-s8-shortconv-retain64"), 8),
 }
 CELL_TASKS = {"niah1": "niah_single_1", "niah2": "niah_single_2", "niah3": "niah_single_3"}  # as retention.py
-PROMPTS, SEED = 20, 0  # as results/retention.py's cells
+PROMPTS, SEED = 20, 0  # as experiments/retention.py's cells
 SINKS, WINDOW, RETAIN = 8, 56, 64
 PIECE = 16  # tokens read between two looks at the caches (a multiple of the trained run's block of 8)
 ANSWER_TOKENS = 12
@@ -176,7 +177,7 @@ def main(argv=None):
     cell = f"{args.run}-{args.task}-{args.length}"
     forced = "-forced" if args.force_needle else ""
     name = f"inspect-{cell}" if every else f"inspect-{args.sample}" if decisive else f"inspect-{cell}-{args.sample}"
-    out = os.path.join(HERE, "retention", f"{name}{forced}.json")
+    out = os.path.join(RESULTS, "retention", f"{name}{forced}.json")
     rows = []
     for index in chosen:
         if args.force_needle:

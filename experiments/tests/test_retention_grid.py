@@ -1,4 +1,4 @@
-"""results/retention.py: issue 37's S-NIAH grid, its cell names and commands, and the report's verdicts."""
+"""experiments/retention.py: issue 37's S-NIAH grid, its cell names and commands, and the report's verdicts."""
 
 import json
 import os
@@ -6,18 +6,17 @@ import sys
 
 import pytest
 
+from experiments.tests.helpers import experiment_script
 from linjax.app.cli import build_parser
 
-from tests.helpers import results_script
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
 def grid(tmp_path, monkeypatch):
     """The module, reading and writing its cells under tmp_path."""
     # dataclasses look their module up in sys.modules
-    module = results_script("retention.py", register=lambda name, m: monkeypatch.setitem(sys.modules, name, m))
+    module = experiment_script("retention.py", register=lambda name, m: monkeypatch.setitem(sys.modules, name, m))
     monkeypatch.setattr(module, "CELLS", str(tmp_path / "retention"))
     monkeypatch.setattr(module, "REPORT", str(tmp_path / "retention.md"))
     return module
@@ -260,7 +259,7 @@ def test_lambada_scores_each_reading_and_goes_on_where_it_stopped(grid, monkeypa
                                 max_position_embeddings=512), rngs=nnx.Rngs(0))
     model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8))
     monkeypatch.setattr(models, "load_model", lambda spec: (model, tokenizer, spec))
-    words = "the cat sat on a mat and looked at the dog".split()
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "the", "dog"]
     texts = [" ".join(words[(i + j) % len(words)] for j in range(40 + 10 * i)) for i in range(5)]  # to ~140 tokens
     (tmp_path / "data" / "lambada").mkdir(parents=True)
     (tmp_path / "data" / "lambada" / "lambada_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"

@@ -1,6 +1,6 @@
 """Builds results/training-smollm2.md from the runs of configs/smollm2/{gdn-w56-s8-shortconv,gla,gdn}.toml.
 
-    python results/summarize_training.py      # after the three `linjax train` runs and the perplexity JSONs
+    python experiments/summarize_training.py      # after the three `linjax train` runs and the perplexity JSONs
 
 Copies each run's metrics.jsonl next to this file (runs/ is not versioned) and
 tabulates WikiText-2 perplexity (results/wikitext2/*.json, from `linjax eval perplexity`).
@@ -13,8 +13,8 @@ import statistics
 
 from linjax.files import write_text
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "results")  # what it reads and writes
 RUNS = {"gdn-w56-s8-shortconv": "GDN + window 56 + sinks 8 + short conv", "gla": "GLA (pure)", "gdn": "GDN (pure)"}
 
 

@@ -1,6 +1,6 @@
 """Builds results/lm-eval-smollm2.md and results/ruler-smollm2.md from the evaluation JSONs in results/.
 
-    python results/summarize_eval.py
+    python experiments/summarize_eval.py
 
 Inputs (each written by a `linjax eval` command, see the tables' captions):
     lm-eval-smollm2-full/, -full-lambada/, -full-arc-easy/, -full-hellaswag/  the original model, every example
@@ -17,7 +17,7 @@ import os
 
 from linjax.files import write_text
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")  # what it reads and writes
 
 # SmolLM2-135M-Instruct's model card (lighteval, zero-shot; its own prompts, and MMLU as a cloze
 # task, so not the same protocol as lm-eval's 5-shot multiple choice).

@@ -1,15 +1,16 @@
-"""results/retention_inspect.py: finding a needle's tokens, reading the retained slots, summing a cell up."""
+"""experiments/retention_inspect.py: finding a needle's tokens, reading the retained slots, summing a cell up."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tests.helpers import results_script
+from experiments.tests.helpers import experiment_script
+
 
 @pytest.fixture(scope="module")
 def inspect_module():
-    return results_script("retention_inspect.py")
+    return experiment_script("retention_inspect.py")
 
 
 def test_token_span_finds_the_needle_and_its_value(inspect_module, tokenizer):

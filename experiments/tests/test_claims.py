@@ -1,4 +1,4 @@
-"""results/claims.py's paired bootstrap over articles: a known difference is found, none is undecided."""
+"""experiments/claims.py's paired bootstrap over articles: a known difference is found, none is undecided."""
 
 import math
 import os
@@ -6,14 +6,15 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers import results_script, stopping_at_call
+from experiments.tests.helpers import experiment_script
+from tests.helpers import stopping_at_call
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def claims():
-    return results_script("claims.py")
+    return experiment_script("claims.py")
 
 
 def scored_rows(per_token_difference, seed=0, articles=60, windows_per_article=5, tokens=1023):

@@ -1,9 +1,9 @@
 """Issue 37's retention grid: S-NIAH with retained tokens against the same cache budget without them.
 
-    python results/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
-    python results/retention.py perplexity [--windows N]           # WikiText-2 with retention on and off
-    python results/retention.py lambada [--limit N]                # LAMBADA with retention on and off
-    python results/retention.py report                             # results/retention.md from the cells written
+    python experiments/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
+    python experiments/retention.py perplexity [--windows N]           # WikiText-2 with retention on and off
+    python experiments/retention.py lambada [--limit N]                # LAMBADA with retention on and off
+    python experiments/retention.py report                             # results/retention.md from the cells written
 
 The grid: S-NIAH 1, 2 and 3 (RULER's niah_single_1/2/3) at 1,024, 2,048 and 4,096 tokens, 20 samples
 per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv head, for
@@ -55,8 +55,9 @@ from linjax.files import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CELLS = os.path.join(HERE, "retention")
-REPORT = os.path.join(HERE, "retention.md")
+RESULTS = os.path.join(ROOT, "results")
+CELLS = os.path.join(RESULTS, "retention")
+REPORT = os.path.join(RESULTS, "retention.md")
 
 TRAINED_RUN = "results/runs/gdn-w56-s8-shortconv"  # the final recipe, seed 1 (results/claims.md)
 RETAIN_TRAINED_RUN = "results/runs/gdn-w56-s8-shortconv-retain64"  # trained with retain 64, retain_block 8
@@ -85,7 +86,7 @@ VARIANTS = {
 BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}
 
 # WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
-PPL_WINDOWS = 64  # the claims rows' 64 windows of results/claims.py's SEQ_LEN tokens
+PPL_WINDOWS = 64  # the claims rows' 64 windows of experiments/claims.py's SEQ_LEN tokens
 READINGS = {  # name -> (what it is, window, retained), all with SINKS sinks
     "retained": ("final recipe + 64 retained by recall (8 + 56 + 64)", WINDOW, 64),
     "window-120": ("final recipe, no retention, same budget (8 + 120)", 128 - SINKS, 0),
@@ -196,7 +197,7 @@ def model_ready(model: str) -> bool:
 
 
 def claims_module():
-    """results/claims.py (its WikiText-2 settings, per-window files and paired bootstrap)."""
+    """experiments/claims.py (its WikiText-2 settings, per-window files and paired bootstrap)."""
     spec = importlib.util.spec_from_file_location("linjax_claims", os.path.join(HERE, "claims.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -303,7 +304,7 @@ def lambada_lines() -> list[str]:
     scored = {reading: _read(lambada_path(reading)) for reading in READINGS}
     lines = ["## LAMBADA with retention on", ""]
     if any(v is None or not v["examples"] for v in scored.values()):
-        return lines + ["Not run yet: `python results/retention.py lambada`.", ""]
+        return lines + ["Not run yet: `python experiments/retention.py lambada`.", ""]
     n = min(len(v["examples"]) for v in scored.values())
     correct = {r: [e["greedy"] for e in v["examples"][:n]] for r, v in scored.items()}
     lines += [f"LAMBADA (OpenAI), the first {n:,} examples, the final recipe read three ways, scored as `linjax eval "
@@ -335,13 +336,13 @@ def perplexity_lines() -> list[str]:
     scored = {reading: read_ppl(reading) for reading in READINGS}
     lines = ["## WikiText-2 with retention on", ""]
     if any(v is None for v in scored.values()):
-        return lines + ["Not run yet: `python results/retention.py perplexity`.", ""]
+        return lines + ["Not run yet: `python experiments/retention.py perplexity`.", ""]
     claims = claims_module()
     n = min(len(v["nll"]) for v in scored.values())
     cut = {r: {key: v[key][:n] for key in ("article", "nll", "tokens")} for r, v in scored.items()}
     lines += [f"The first {n} of the claims rows' {PPL_WINDOWS} windows ({len(set(cut['retained']['article']))} "
               f"articles), the final recipe read three ways; Δ: log-perplexity of the reading with retention minus "
-              "the other's, 95% paired bootstrap interval over articles (`results/claims.py`'s).", "",
+              "the other's, 95% paired bootstrap interval over articles (`experiments/claims.py`'s).", "",
               "| reading | ppl | retained minus this: Δ log-ppl [95%] |", "|---|---|---|"]
     for reading, (label, _, _) in READINGS.items():
         ppl = math.exp(sum(cut[reading]["nll"]) / sum(cut[reading]["tokens"]))
@@ -459,8 +460,8 @@ def report_text() -> str:
     by_name = {cell.name: m for cell, m in measured.items()}
     written = sum(isinstance(m, Measured) for m in measured.values())
     lines = ["# Retained tokens on S-NIAH at a fixed cache budget (issue 37)", "",
-             "Made by `python results/retention.py report` from the cells in `results/retention/` (the grid and "
-             "the commands are in its docstring; `python results/retention.py run` runs the missing ones). "
+             "Made by `python experiments/retention.py report` from the cells in `results/retention/` (the grid and "
+             "the commands are in its docstring; `python experiments/retention.py run` runs the missing ones). "
              f"Each cell: `linjax eval ruler`, {SAMPLES} samples, seed {SEED}, greedy, scored by string match. "
              f"The trained model is `{TRAINED_RUN}` (the final recipe, no further training), read at each budget "
              f"(the trained-with-retention column: `{RETAIN_TRAINED_RUN}`); "

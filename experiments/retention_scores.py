@@ -1,8 +1,8 @@
 """Which retention score tells an S-NIAH needle from its haystack (issue 37): candidate scores screened.
 
-    python results/retention_scores.py [--task niah2] [--length 2048] [--prompts 8] [--run final|trained]
+    python experiments/retention_scores.py [--task niah2] [--length 2048] [--prompts 8] [--run final|trained]
 
-Reads the first prompts of a grid cell (results/retention.py: seed 0, the cell's prompts in order) with
+Reads the first prompts of a grid cell (experiments/retention.py: seed 0, the cell's prompts in order) with
 the run's sinks 8 + window 56 and no retained slots, its linear state taking every token that leaves
 the window, and scores every token that leaves it with each candidate, per layer and kv head:
 
@@ -40,6 +40,7 @@ from linjax.kernels import gdn, retention
 from linjax.linearize import with_budget
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "results")
 sys.path.insert(0, HERE)  # the inspection script beside this one: the same cells, runs and needle spans
 from retention_inspect import CELL_TASKS, RUNS, SEED, SINKS, WINDOW, token_span  # noqa: E402
 
@@ -148,7 +149,7 @@ def main(argv=None):
     generator = Generator(tokenizer, None)
     rng = np.random.default_rng([SEED, TASKS.index(task), args.length])
     samples = [generator.sample(task, args.length, rng) for _ in range(args.prompts)]
-    out = os.path.join(HERE, "retention", f"scores-{args.run}-{args.task}-{args.length}.json")
+    out = os.path.join(RESULTS, "retention", f"scores-{args.run}-{args.task}-{args.length}.json")
     rows = []
     for index, sample in enumerate(samples):
         row = {"sample": index, **screen(model, tokenizer, sample)}
