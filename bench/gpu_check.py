@@ -206,7 +206,7 @@ def part_kernels(args, sizes, T: int):
     methods = [(mech, kernel) for mech in mechanisms for kernel in ("pallas", "chunked")
                if kernel == "pallas" or (T <= LONG_KERNEL_T and mech != "kgla")]
     methods.insert(2 if T <= LONG_KERNEL_T else 1, ("softmax", "cudnn" if _has_cuda() else "xla"))
-    if T <= LONG_KERNEL_T:  # the XLA form GPUs ran before FLA's decomposition: the baseline of issue 36
+    if T <= LONG_KERNEL_T:  # the XLA form GPUs ran before FLA's decomposition: the baseline
         methods.insert(2, ("gdn", "chunked, CPU form"))
     if not args.smoke:  # the Pallas GDN with its in-chunk work as batched XLA, as before its K1 kernel
         methods.insert(1, ("gdn", "pallas, XLA in-chunk"))

@@ -11,7 +11,7 @@ one warm-up call:
   trainable parameters, clipping, AdamW) of the paper's final recipe (GDN + window 56 +
   sinks 8 + short conv), of GDN + w56 + s8 without the convolution, of pure GDN and pure GLA,
   of the final recipe with the layer-wise attention-transfer objective, and with 64 retained
-  tokens chosen 8 at a time (issue 37).
+  tokens chosen 8 at a time (docs/retention.md).
 PyTorch: transformers' LlamaForCausalLM from the same GGUF file, SDPA attention, with as many
 threads as JAX uses cores. Prints a Markdown table and writes JSON (rewritten after every
 row, so a run cut short keeps what it measured).
@@ -58,7 +58,7 @@ STEPS = {
     "gdn (pure)": (linjax.LinearizeConfig(mechanism="gdn", window=0, sinks=0), "ce"),
     "gla (pure)": (linjax.LinearizeConfig(mechanism="gla", window=0, sinks=0), "ce"),
     "gdn+w56+s8+shortconv, attention transfer": (FINAL_RECIPE, "attention_transfer"),
-    # issue 37's trained row: 64 retained tokens chosen 8 at a time (configs/claims/...-retain64.toml)
+    # the trained retention row: 64 retained tokens chosen 8 at a time (configs/claims/...-retain64.toml)
     "gdn+w56+s8+shortconv, 64 retained in blocks of 8": (dataclasses.replace(FINAL_RECIPE, retain=64, retain_block=8),
                                                          "ce"),
 }

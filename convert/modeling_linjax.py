@@ -13,7 +13,7 @@ max abs on the logits). What it does differently from HF's LlamaForCausalLM:
   optionally beside exact softmax over `sinks` first tokens and a `window` of recent ones,
   the linear state then covering only positions sinks .. t − window (paper, sec. 4),
   and with `linearize.retain` > 0 a fixed number of retained tokens per kv head joining
-  the softmax, chosen by score as they leave the window (issue 37; token by token);
+  the softmax, chosen by score as they leave the window (docs/retention.md; token by token);
 - the short-conv adapter runs on q, k, v after RoPE; a LoRA adapter is already
   merged into the q/k/v/o weights by the exporter (exact: the mixer applies it
   to both the softmax and the linear part);

@@ -16,7 +16,7 @@ Per query head h reading kv head h // (H // Hkv), o_t = scale · S_tᵀ q_t, sca
 `linearize.scale`, or where that is null or absent (FLA's default, linjax's before it moved to 1)
 Dk^-1/2 (1 for Hedgehog).
 
-With `linearize.retain` > 0 (issue 37) the mixer also keeps retained tokens beside the sinks and
+With `linearize.retain` > 0 (docs/retention.md) the mixer also keeps retained tokens beside the sinks and
 the window (modeling_linjax_retention.py) and runs the recurrence one token at a time
 (`forward_retaining`), whatever `form` says.
 """

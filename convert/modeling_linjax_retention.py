@@ -1,4 +1,4 @@
-"""Retained tokens in the PyTorch mirror (issue 37): linjax's kernels/retention.py in torch.
+"""Retained tokens in the PyTorch mirror (docs/retention.md): linjax's kernels/retention.py in torch.
 
 With `linearize.retain` = R > 0 a linear mixer keeps R slots per kv head for tokens that left the
 window, chosen by score, and its softmax part runs over sinks ∪ window ∪ retained. A token leaving

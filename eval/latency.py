@@ -9,7 +9,7 @@ the run. Implementations of the same weights (the first, second and fourth run b
     linearized    linjax, GDN + window 56 + sinks 8 + short conv (the paper's final recipe; its new
                   parameters are untrained, which does not change the work per token)
     retained      linearized, plus `retain` tokens per layer and kv head kept for their content
-                  (default 64 by "recall"; --retain, --retain-score; docs/retention.md, issue 37)
+                  (default 64 by "recall"; --retain, --retain-score; docs/retention.md)
     transformers  transformers' own model with its DynamicCache: what a user would otherwise run
 
 Beside the timings, the decode cache's bytes per layer at each L for the linjax implementations,

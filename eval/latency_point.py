@@ -35,7 +35,7 @@ IMPLEMENTATIONS = {
     "transformers": "transformers LlamaForCausalLM (DynamicCache)",
 }
 LINJAX_IMPLEMENTATIONS = ("full", "linearized", "retained")
-DEFAULT_RETAIN, DEFAULT_RETAIN_SCORE = 64, "recall"  # issue 37's 128-token budget: 8 + 56 + 64
+DEFAULT_RETAIN, DEFAULT_RETAIN_SCORE = 64, "recall"  # the retention runs' 128-token budget: 8 + 56 + 64
 
 
 def implementation_label(implementation: str, retain: int = DEFAULT_RETAIN,

@@ -149,7 +149,7 @@ def causal_scores(q, k, levels, beta=None):
     each level's cross blocks of Diag(β) K Kᵀ ⊙ decay are the off-diagonal blocks of T at that
     level, and `triangular.unit_lower_inverse` inverts T from them by forward substitution in
     blocks (matrix products only: no LAPACK call, whose XLA:CPU kernel can deadlock the worker
-    pool it shares with other ops, issue 15), with a closed-form backward."""
+    pool it shares with other ops), with a closed-form backward."""
     C = q.shape[-2]
     scores = scaling.row_sums(q * k)[..., None, None]       # [..., C, 1, 1]: decay 1 on the diagonal
     crosses = []                                             # T's off-diagonal blocks, level by level

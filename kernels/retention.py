@@ -1,4 +1,4 @@
-"""A fixed number of past tokens kept for their content, beside the sinks and the window (issue 37).
+"""A fixed number of past tokens kept for their content, beside the sinks and the window (docs/retention.md).
 
 The paper names the step it did not take: "combining GDN with content-aware token
 retention to improve multi-item retrieval under a fixed cache budget" (sec. 6; LoLA

@@ -7,7 +7,7 @@ tree: at the level of half size h, each 2h × 2h diagonal block of T is [[P, 0],
 entry of T lies in exactly one cross block, so the cross blocks of all levels are T.
 
 Forward: forward substitution in blocks, [[P, 0], [X, Q]]⁻¹ = [[P⁻¹, 0], [−Q⁻¹ X P⁻¹, Q⁻¹]], level by
-level, matrix products only (no LAPACK call: issue 15).
+level, matrix products only (no LAPACK call: XLA:CPU's LAPACK kernels can deadlock, tests/kernels/test_no_lapack.py).
 
 Backward: with R = T⁻¹, dR = −R dT R, so the gradient of T is −Rᵀ (∂L/∂R) Rᵀ, two [C, C] products,
 cut back into the cross blocks. Autodiff through the forward instead transposes every level's

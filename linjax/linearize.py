@@ -105,7 +105,7 @@ class LinearizeConfig:
         "liger_pooled_key" (Liger-GLA's: log α = LogSigmoid(pool(k_proj(h))) / 16 from the frozen,
         LoRA-adapted key projection, no parameters of its own; linjax/mixers/gla.py).
     retain: tokens kept for their content per layer and kv head, beside the sinks and the window
-        (issue 37, docs/retention.md): a token leaving the window takes a slot if one is free or it
+        (docs/retention.md): a token leaving the window takes a slot if one is free or it
         scores above the weakest retained token, and the token that loses (or never wins) a slot goes
         into the linear state. 0 (the default) is the final recipe as it was. No new parameters, so
         any trained run can be read with it; with it on, every mode runs token by token.

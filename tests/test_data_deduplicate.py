@@ -1,4 +1,4 @@
-"""`data.deduplicate`: each distinct training document read once (issue 38: the 281 webtext "agreement"
+"""`data.deduplicate`: each distinct training document read once (the 281 webtext "agreement"
 documents repeat "majority" ones); off by default, so recorded runs read what they read."""
 
 import json

@@ -1,4 +1,4 @@
-"""Liger-GLA (issue 38, the peers): GLA whose decay gate is read from the frozen key projection.
+"""Liger-GLA (a peer method the claims compare against): GLA whose decay gate is read from the frozen key projection.
 
 `LinearizeConfig(mechanism="gla", gate="liger_pooled_key")`: log α = LogSigmoid(pool(k_proj(h))) / 16,
 no gate parameters. Here: the gate's formula, decode == one pass, the parameter count, the default

@@ -1,4 +1,4 @@
-"""Tests that can fail (issue 39, item 7): in CI a missing dependency or data fixture fails the tests that
+"""Tests that can fail: in CI a missing dependency or data fixture fails the tests that
 need it instead of skipping them, and subprocesses test the installed linjax from any working directory."""
 
 from __future__ import annotations

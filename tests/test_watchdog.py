@@ -1,4 +1,5 @@
-"""The watchdog: a stage that stops making progress ends with an error naming it (issue 15)."""
+"""The watchdog: a stage that stops making progress ends with an error naming it, as a deadlock inside a compiled
+program would otherwise hang the run without a word."""
 
 import os
 import signal

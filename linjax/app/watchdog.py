@@ -1,6 +1,6 @@
 """A stage that stops making progress ends with an error naming it, instead of waiting forever.
 
-A deadlock inside a compiled program (issue 15: two LAPACK calls waiting on the same XLA:CPU
+A deadlock inside a compiled program (two LAPACK calls waiting on the same XLA:CPU
 thread pool) leaves every thread asleep, so nothing in Python ever runs again and no exception
 can reach the main thread. A watchdog thread therefore watches a heartbeat (linjax/heartbeat.py):
 long loops (training steps, evaluation windows and samples, decode steps, lm-eval forward

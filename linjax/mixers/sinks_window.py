@@ -19,7 +19,7 @@ this module picks the form for each of the three modes and keeps the decode cach
 
 With w = 0 (pure linear attention) it passes the linear inputs through and adds nothing.
 
-With `retain` = R > 0 (issue 37, kernels/retention.py) R more tokens per kv head are kept for
+With `retain` = R > 0 (docs/retention.md, kernels/retention.py) R more tokens per kv head are kept for
 their content: I_t = sinks ∪ window ∪ R_t, and the linear kernel gets, at each step, the token
 that lost (or never won) a retained slot in place of the token leaving the window. Which tokens
 are retained depends on the state, so all three modes run `retaining_step` token by token (the

@@ -1,4 +1,4 @@
-"""The FLA oracle is pinned and cannot be skipped in CI (issue 19, item 9)."""
+"""The FLA oracle is pinned and cannot be skipped in CI: the kernels' independent oracle must run."""
 
 import importlib.metadata
 import os

@@ -1,4 +1,4 @@
-"""No chunked kernel may call XLA:CPU's LAPACK kernels (issue 15).
+"""No chunked kernel may call XLA:CPU's LAPACK kernels, which can deadlock.
 
 `jax.scipy.linalg.solve_triangular` lowers on CPU to the FFI call `lapack_strsm_ffi`, which
 splits its batch into tasks on the same thread pool that runs the rest of the program and then
