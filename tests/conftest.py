@@ -21,18 +21,16 @@ def _cuda_machine() -> bool:
 
 
 # On a GPU none of the CPU settings below apply: optimisation level 0 and the CPU emitter flags are
-# for XLA:CPU's compile time, and the shared cache and huge pages were measured on CPUs only (with
-# them, tests/kernels/test_gpu.py died without a word on an H100). Each pytest-xdist worker is its
-# own process on the one card, so none may take 75% of its memory up front.
+# for XLA:CPU's compile time, and the shared cache and huge pages are for CPU runs only (with them,
+# tests/kernels/test_gpu.py can die without a word on a GPU). Each pytest-xdist worker is its own
+# process on the one card, so none may take 75% of its memory up front.
 ON_CUDA_MACHINE = _cuda_machine()
 if ON_CUDA_MACHINE:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 if not ON_CUDA_MACHINE:
-    # The suite is mostly XLA compilation (73% of tests/kernels/test_gla.py's time in a profile), so
-    # it compiles at optimization level 0 without the fusion emitters: the whole suite on 2 cores
-    # took 12.4 min instead of 24.0, with the same tests and tolerances. The hang once seen at
-    # level 0 was the LAPACK deadlock (tests/kernels/test_no_lapack.py), gone with LAPACK. What users
+    # The suite's time is mostly XLA compilation, so it compiles at optimization level 0 without the
+    # fusion emitters, which compiles much faster with the same tests and tolerances. What users
     # run, XLA's optimizing pipeline and its fast paths, is tested by the tests that call
     # `helpers.environment_with_user_xla_flags` (the miscompile and deadlock checks) in subprocesses
     # with the flags as they were before this file set them, kept in LINJAX_TESTS_USER_XLA_FLAGS.
@@ -41,11 +39,9 @@ if not ON_CUDA_MACHINE:
                                        "--xla_llvm_disable_expensive_passes=true")
 
 # PyTorch on one thread, in the workers and every subprocess (set before torch is imported). Its
-# OpenMP threads meet at a barrier after each op, and on 2 cores shared by pytest-xdist's two
-# workers one of them is usually descheduled, so every op waits for a time slice: the PyTorch half
-# of the LLaMA export test (tiny models, thousands of small ops) took 100 s with torch's default
-# threads next to a 2-thread JAX process and 9.8 s with one thread, same results. The tests'
-# models are small; what the benchmarks time sets its own thread counts.
+# OpenMP threads meet at a barrier after each op, and on cores shared by pytest-xdist's workers
+# one of them is usually descheduled, so every one of the tests' thousands of small ops waits for
+# a time slice; one thread gives the same results. What the benchmarks time sets its own thread counts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _OWN_COMPILATION_CACHE = None  # the folder this process made (the controller's), removed at the end
@@ -54,7 +50,7 @@ _OWN_COMPILATION_CACHE = None  # the folder this process made (the controller's)
 # a program one process compiled, another loads instead of compiling it again. A fresh folder
 # per session, so nothing compiled by other code is reused; the size limit turns on JAX's file
 # lock, which makes the workers' concurrent reads and writes safe. The compiled programs are
-# the same; only the time to get them changes (the SIGKILL/resume test: 177 s -> 73 s).
+# the same; only the time to get them changes.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not ON_CUDA_MACHINE:
     import tempfile
 

@@ -1,18 +1,16 @@
-"""The XLA:CPU "ynn" fusion miscompile of jaxlib 0.10 (reported on 2026-11-22), as a regression test.
+"""The XLA:CPU "ynn" fusion miscompile of jaxlib 0.10, as a regression test.
 
-What was seen: a jitted chunked kernel at head dim 64 whose initial state is a constant built
-inside `jit` (zeros) returned values around 1e30, with no error. linjax used to turn the whole
-ynn fusion off on import (`--xla_cpu_experimental_ynn_fusion_type=`), which made SmolLM2's
-forward slower (results/bench/HISTORY.md, "XLA's fast paths back on"). The workaround now is the narrow one:
+The trigger: a jitted chunked kernel at head dim 64 whose initial state is a constant built
+inside `jit` (zeros) can return values around 1e30, with no error. The workaround is narrow:
 the kernels' default zero state passes an optimization barrier (`gla.initial_state_or_zeros`),
-and XLA's fast paths stay on everywhere. A miscompile depends on the compiler's settings, so
+so XLA's fast paths (the ynn fusions among them) stay on everywhere. A miscompile depends on the compiler's settings, so
 these checks run in one subprocess with the XLA flags users have, not the suite's
 optimization level 0 (tests/conftest.py; the ynn fusions are emitted there too, 27 in a small
 GDN program, but the passes around them differ): each kernel jitted with the default state
 (the workaround) and with a constant zero state passed in from inside `jit` (the trigger, no
 workaround), against the token-by-token reference.
-On the machines this project runs on now (AMD EPYC, jaxlib 0.10.0 and 0.10.2) the trigger no
-longer miscompiles, so the second case passes too; on a CPU where it does, it fails and says so.
+Where the trigger does not miscompile (AMD EPYC with jaxlib 0.10.0 and 0.10.2) the second case
+passes too; on a CPU where it does, it fails and says so.
 """
 
 import json

@@ -8,7 +8,7 @@ recomputes through `chunked`. The gradient tests against `reference` check
 the custom_vjp plumbing: cotangent routing, GQA head sums, dtypes, a missing
 initial state.
 
-Interpret-mode compiles cost 1–3 s per kernel shape, so instead of the full
+Each kernel shape is its own interpret-mode compile, so instead of the full
 product T ∈ {1, 15, 64, 200} × Hkv ∈ {1, 2, 4} × D ∈ {16, 64} × initial
 state × dtype (96 cases per mechanism) GLA and GDN run a covering design:
 all 12 (T, Hkv) pairs, each with one of four (D, initial state, dtype)
