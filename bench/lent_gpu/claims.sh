@@ -1,7 +1,7 @@
 # On a lent GPU machine, after bench/lent_gpu/setup.sh has had both halves of the model: train and evaluate
 # claims rows until DEADLINE seconds after the start, then stop the runs (SIGTERM saves a checkpoint) and
 # pack results/runs/ROW (and its stages) into $OUT.   bash bench/lent_gpu/claims.sh DEADLINE JOBS ROW...
-# CELLS="PATTERN ..." also runs issue 37's retention grid beside them (results/retention.py run --only PATTERN,
+# CELLS="PATTERN ..." also runs the retention grid beside them (results/retention.py run --only PATTERN,
 # one process per pattern, each cell in turn) and copies the cells finished by the deadline to $OUT/retention.
 start=$SECONDS; deadline=$1; jobs=$2; shift 2
 bash bench/lent_gpu/setup.sh || exit 1
