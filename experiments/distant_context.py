@@ -20,7 +20,7 @@ recipe's gain over window-only that survives the swap,
 
     kept = (L_window,swapped − L_final,swapped) / (L_window − L_final),
 
-with a 95% interval from resampling articles (`experiments/claims.py`'s resamples: every reading draws the
+with a 95% interval from resampling articles (`experiments/stats.py`'s resamples: every reading draws the
 same articles). What is not kept came from the distant text through the linear state.
 
 Readings take turns window by window and are saved after every window (results/distant-context/
@@ -37,8 +37,9 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # run as a script or loaded by path: its sibling experiments/claims.py
-import claims  # noqa: E402  (rows, WikiText-2 settings, per-window files, bootstrap)
+sys.path.insert(0, os.path.dirname(HERE))  # run as a script or loaded by path: the `experiments` package
+from experiments import claims_data as claims  # noqa: E402  (rows, WikiText-2 settings, per-window files)
+from experiments import stats  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(ROOT, "results")
@@ -87,7 +88,7 @@ def cell_path(reading: str) -> str:
 
 
 def read_cell(reading: str):
-    return claims._load(cell_path(reading))
+    return claims.load_json(cell_path(reading))
 
 
 def run(stride: int = STRIDE) -> None:
@@ -165,9 +166,9 @@ def swap_lines() -> list[str]:
         lines.append(f"| {reading} | {math.exp(sum(scores['nll']) / sum(scores['tokens'])):.2f} |")
 
     def delta(a, b):
-        return claims.fmt_interval(claims.paired_bootstrap(cut[a], cut[b]))
+        return stats.fmt_interval(stats.paired_bootstrap(cut[a], cut[b]))
 
-    (w, ws, f, fs), samples = claims.resampled_log_ppl([cut[r] for r in ("window-only", "window-only-swapped",
+    (w, ws, f, fs), samples = stats.resampled_log_ppl([cut[r] for r in ("window-only", "window-only-swapped",
                                                                        "final", "final-swapped")])
     kept = (samples[1] - samples[3]) / (samples[0] - samples[2])
     low, high = np.percentile(kept, [2.5, 97.5])

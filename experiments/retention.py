@@ -20,9 +20,10 @@ per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv 
     original       SmolLM2-135M with full attention (one cell per task and length: it has no budget)
 
 Each cell is results/retention/<variant>-<budget>-<task>-<length>.json (budget "full" for the original,
-task niah1/niah2/niah3), as `linjax eval ruler --out` writes it (after every sample); `run` skips a cell whose file is complete
-and goes on with a partial one (`--resume`), so it can be stopped and started again. `report` reads whatever cells exist; a file whose settings are
-not the cell's is shown as such and counts as not run.
+task niah1/niah2/niah3), as `linjax eval ruler --out` writes it (after every sample); `run` skips a cell
+whose file is complete and goes on with a partial one (`--resume`), so it can be stopped and started again.
+`report` reads whatever cells exist; a file whose settings are not the cell's is shown as such and counts as
+not run.
 
 `perplexity` scores the first 64 WikiText-2 test windows of 1,024 tokens (the claims rows' 64 windows)
 with the final recipe read three ways: 8 + 56 + 64 retained by recall, 8 + 120 without retention (the
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import importlib.util
 import json
 import math
 import os
@@ -49,9 +49,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-import numpy as np
+if __package__ in (None, ""):  # run as a script: the repository root holds the `experiments` package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from linjax.files import write_text
+from experiments import stats  # noqa: E402
+from experiments.stats import Z95, paired_accuracy_difference, wilson_interval  # noqa: E402,F401
+from linjax.files import write_text  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,7 +70,6 @@ LENGTHS = (1024, 2048, 4096)
 SINKS, WINDOW = 8, 56  # the final recipe's, kept when tokens are retained
 RETAINED = {128: 64, 256: 192}  # total budget -> retained tokens: 8 + 56 + 64 and 8 + 56 + 192
 SAMPLES, SEED = 20, 0
-Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 # name -> (what it is, the model argument, retained-token score or None for no retention, window only?)
 VARIANTS = {
@@ -197,11 +199,10 @@ def model_ready(model: str) -> bool:
 
 
 def claims_module():
-    """experiments/claims.py (its WikiText-2 settings, per-window files and paired bootstrap)."""
-    spec = importlib.util.spec_from_file_location("linjax_claims", os.path.join(HERE, "claims.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """experiments/claims_data.py (the claims rows' WikiText-2 settings and per-window files)."""
+    from experiments import claims_data
+
+    return claims_data
 
 
 def _read(path: str):
@@ -232,7 +233,7 @@ def perplexity(windows: int = PPL_WINDOWS) -> None:
     with open(claims.WIKITEXT, encoding="utf-8") as f:
         texts, articles = text_windows(tokenizer, f.read(), claims.SEQ_LEN, max_windows=windows)
     readings = {}
-    for reading, (label, window, retain) in READINGS.items():
+    for reading, (_, window, retain) in READINGS.items():
         earlier = read_ppl(reading) or {"article": [], "nll": [], "tokens": []}
         if not continues(earlier, texts, articles):
             sys.exit(f"{os.path.relpath(ppl_path(reading), ROOT)} holds other windows; move it away to score again")
@@ -287,15 +288,6 @@ def lambada(limit: int = LAMBADA_EXAMPLES) -> None:
         scorer.score(reader, tokenizer, texts, progress=True, on_batch=save, done=len(done))
 
 
-def paired_accuracy_difference(a: list[bool], b: list[bool], draws: int = 10_000, seed: int = 0):
-    """(point, low, high): accuracy of `a` minus that of `b` on the same examples, in points, with its 95%
-    percentile interval from resampling examples."""
-    diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    picks = np.random.default_rng(seed).integers(0, len(diff), (draws, len(diff)))
-    means = diff[picks].mean(axis=1)
-    return tuple(100 * float(x) for x in (diff.mean(), np.percentile(means, 2.5), np.percentile(means, 97.5)))
-
-
 def lambada_lines() -> list[str]:
     """The report's LAMBADA section: each reading's accuracy on the examples all have, and retention's
     paired difference from the others, beside the seed spread on the same examples."""
@@ -347,13 +339,13 @@ def perplexity_lines() -> list[str]:
     for reading, (label, _, _) in READINGS.items():
         ppl = math.exp(sum(cut[reading]["nll"]) / sum(cut[reading]["tokens"]))
         delta = "—" if reading == "retained" else "{:+.4f} [{:+.4f}, {:+.4f}]".format(
-            *claims.paired_bootstrap(cut["retained"], cut[reading]))
+            *stats.paired_bootstrap(cut["retained"], cut[reading]))
         lines.append(f"| {label} | {ppl:.2f} | {delta} |")
     seeds = [claims.per_window(row) for row in SEED_ROWS]
     if all(s is not None and len(s["nll"]) >= n for s in seeds):
         a, b = ({key: s[key][:n] for key in ("article", "nll", "tokens")} for s in seeds)
-        spread = abs(claims.paired_bootstrap(a, b)[0])
-        worst = max(claims.paired_bootstrap(cut["retained"], cut[r])[0] for r in READINGS if r != "retained")
+        spread = abs(stats.paired_bootstrap(a, b)[0])
+        worst = max(stats.paired_bootstrap(cut["retained"], cut[r])[0] for r in READINGS if r != "retained")
         verdict = "within" if worst <= spread else "beyond"
         lines += ["", f"Seed spread on the same windows: |seed 1 − seed 2| = {spread:.4f} in log-perplexity. "
                   f"Retention's largest loss against the others is {worst:+.4f}: **{verdict} the seed spread** "
@@ -362,16 +354,6 @@ def perplexity_lines() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def wilson_interval(accuracy: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a proportion `accuracy` measured on n samples (95% by default).
-    Unlike accuracy ± z·se it stays inside [0, 1] and is not empty at 0 or 1 of n."""
-    if n < 1:
-        raise ValueError(f"an interval needs at least one sample, got n={n}")
-    centre = (accuracy + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass(frozen=True)

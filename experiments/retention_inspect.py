@@ -62,7 +62,9 @@ def force_span(first: int, end: int):
         return jnp.where((position >= first) & (position < end), FORCED, 0.0)
 
     for name in ("admit", "select"):
-        def forcing(cache, candidates, score, position, valid, keep=getattr(retention, name)):
+        kept = getattr(retention, name)
+
+        def forcing(cache, candidates, score, position, valid, keep=kept):
             cache = cache._replace(score=cache.score + bonus(cache.position, cache.score))
             return keep(cache, candidates, score + bonus(position, score), position, valid)
 

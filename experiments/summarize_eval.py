@@ -148,7 +148,8 @@ def lm_eval_table():
     trained = _merged(_load("lm-eval-smollm2-gdn-w56-s8-shortconv-limit200", "lm_eval_results.json"),
                       _load("lm-eval-smollm2-gdn-w56-s8-shortconv-mmlu-limit5", "lm_eval_results.json"))
     lines += ["", "## Original against linearized + trained, same subsets", "",
-              "The first 200 examples of each task; for MMLU (5-shot) the first 5 questions of each of the 57 subjects. "
+              "The first 200 examples of each task; for MMLU (5-shot) the first 5 questions of each of the 57 "
+              "subjects. "
               "Linearized: GDN + window 56 + sinks 8 + short conv, trained 200 steps × 1,024 tokens "
               "(`configs/smollm2/gdn-w56-s8-shortconv.toml`), exported with `linjax export` and loaded by "
               "transformers with `trust_remote_code` (no JAX).", "",
@@ -186,8 +187,9 @@ def ruler_table():
              "`linjax eval ruler MODEL --lengths 1024,2048,4096 --samples N [--budgets B [--window-only]]`: "
              "RULER's single-needle tasks, the needle at one of 40 evenly spaced depths, greedy decoding, "
              f"string match. Full attention: {'/'.join(map(str, full_n))} samples per cell; cache budgets: "
-             f"{budget_samples or '—'} samples, the first {budget_samples or '—'} of the same sequence (full attention on "
-             "those is given too). A cache budget b is 8 sinks + a window of b − 8 tokens. \"Window only\" is the "
+             f"{budget_samples or '—'} samples, the first {budget_samples or '—'} of the same sequence (full "
+             "attention on those is given too). A cache budget b is 8 sinks + a window of b − 8 tokens. "
+             "\"Window only\" is the "
              "original model attending to the sinks and the window alone (no linear state); the linearized model "
              "(GDN + w56 + s8 + short conv, trained 200 steps) was trained at 8 + 56 and is read at each budget with "
              "the same parameters.", "",

@@ -12,6 +12,11 @@ from linjax.app.cli import build_parser
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def read(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 @pytest.fixture
 def grid(tmp_path, monkeypatch):
     """The module, reading and writing its cells under tmp_path."""
@@ -163,8 +168,8 @@ def test_run_calls_linjax_eval_ruler_once_per_missing_cell(grid, monkeypatch):
     write_cell(grid, "final-recall-128-niah1-2048", 14)
     grid.run(only="*-128-niah1-2048")
     assert [command[command.index("--out") + 1].rsplit("/", 1)[-1] for command, _ in calls] == [
-        "window-only-128-niah1-2048.json", "final-keynorm-128-niah1-2048.json", "final-recall-block8-128-niah1-2048.json",
-        "final-128-niah1-2048.json"]
+        "window-only-128-niah1-2048.json", "final-keynorm-128-niah1-2048.json",
+        "final-recall-block8-128-niah1-2048.json", "final-128-niah1-2048.json"]
     command, kwargs = calls[0]
     assert os.path.basename(command[0]) == "linjax" and command[1:3] == ["eval", "ruler"]
     assert kwargs == {"cwd": grid.ROOT, "check": True}  # a failed cell stops the run
@@ -272,7 +277,7 @@ def test_lambada_scores_each_reading_and_goes_on_where_it_stopped(grid, monkeypa
     monkeypatch.setattr(scorer, "score", lambda *a, **k: scored.append(k["done"]) or real_score(*a, **k))
 
     grid.lambada(limit=3)
-    first = {r: json.load(open(grid.lambada_path(r))) for r in grid.READINGS}
+    first = {r: read(grid.lambada_path(r)) for r in grid.READINGS}
     assert all(f["complete"] and len(f["examples"]) == 3 for f in first.values())
     assert [(f["window"], f["retain"]) for f in first.values()] == [(56, 64), (120, 0), (56, 0)]
     assert [os.path.getmtime(grid.lambada_path(r)) for r in ("window-120", "as-trained", "retained")] == sorted(
@@ -280,11 +285,12 @@ def test_lambada_scores_each_reading_and_goes_on_where_it_stopped(grid, monkeypa
     with pytest.raises(SystemExit, match="scored the first 3 examples"):
         grid.lambada(limit=5)
     for r in grid.READINGS:  # as if stopped after 3 of 5
-        data = json.load(open(grid.lambada_path(r)))
-        json.dump({**data, "limit": 5, "complete": False}, open(grid.lambada_path(r), "w"))
+        data = read(grid.lambada_path(r))
+        with open(grid.lambada_path(r), "w") as f:
+            json.dump({**data, "limit": 5, "complete": False}, f)
     scored.clear()
     grid.lambada(limit=5)
     assert scored == [3, 3, 3]
     for r in grid.READINGS:
-        data = json.load(open(grid.lambada_path(r)))
+        data = read(grid.lambada_path(r))
         assert data["complete"] and data["examples"][:3] == first[r]["examples"] and len(data["examples"]) == 5

@@ -42,10 +42,12 @@ def test_held_share_counts_every_layer_and_kv_head_cache(inspect_module):
 def test_summary_averages_the_prompts_and_ranks_the_held_tokens(inspect_module):
     def row(i, correct, trace, held):
         return {"sample": i, "depth": i / 2, "answer": "1", "prediction": "1" if correct else "2", "correct": correct,
-                "value_held_while_reading": [{"tokens_read": 16 * (k + 1), "value_held": v} for k, v in enumerate(trace)],
+                "value_held_while_reading": [{"tokens_read": 16 * (k + 1), "value_held": v}
+                                             for k, v in enumerate(trace)],
                 "held_tokens_at_end": held}
 
-    result = inspect_module.summary([row(0, True, [0.8, 0.6], {".": 3, " the": 1}), row(1, False, [0.2, 0.0], {".": 4})])
+    result = inspect_module.summary([row(0, True, [0.8, 0.6], {".": 3, " the": 1}),
+                                     row(1, False, [0.2, 0.0], {".": 4})])
     assert result["accuracy"] == 0.5
     assert result["value_held_peak_mean"] == pytest.approx(0.5)
     assert result["value_held_at_end_mean"] == pytest.approx(0.3)
