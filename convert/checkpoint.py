@@ -10,17 +10,17 @@ beside its place and swaps it in, so parameters and manifest are always replaced
 
 from __future__ import annotations
 
+import contextlib
 import glob
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from linjax import heartbeat
+from linjax import heartbeat, integrity
 from linjax.config import ModelConfig
-from linjax.files import recover_interrupted_swap, swap_in, write_directory, write_json
+from linjax.files import read_json, recover_interrupted_swap, swap_in, verify_output, write_directory, write_json
 from linjax.layers import Trainable
 from linjax.linearize import LinearizeConfig, linearize
 from linjax.model import CausalLM, abstract_model
@@ -93,10 +93,11 @@ def save_trained(model: CausalLM, directory: str, *, base_source: str, dtype: st
         checkpointer.wait_until_finished()
         if jax.process_index() != 0:
             return directory
+        integrity.write_manifest(staging)  # last: the hashes travel with the parameters they describe
         swap_in(staging, target)
     manifest = {"format_version": FORMAT_VERSION, "kind": "trained", "base_source": base_source,
                 "dtype": str(jnp.dtype(dtype)), "model_config": model.config.to_hf(),
-                "linearize": model.linearize_config.to_dict()}
+                "linearize": model.linearize_config.to_dict(), "integrity": integrity.MANIFEST}
     if steps is not None:
         manifest["steps"] = steps
     if inputs is not None:
@@ -127,12 +128,47 @@ def _restore_trainable(model: CausalLM, directory: str, without_lora: bool = Fal
     did not have (a stage adding LoRA keeps their initial values)."""
     which = nnx.All(Trainable, nnx.Not(nnx.PathContains("lora"))) if without_lora else Trainable
     target = _on_this_process(nnx.state(model, which))
-    # orbax takes absolute paths only; a run directory is often given relative to the working directory.
+    path = trainable_path(directory)
+    verify_trainable(directory, path)
+    try:
+        restored = _checkpointer().restore(path, target)
+    except Exception as err:  # orbax raises a bare Exception for a file cut short
+        raise integrity.Damaged(f"the trained parameters in {path} cannot be read ({_first_line(err)}): they are "
+                                f"damaged; {TRAINABLE_ADVICE}", path) from None
+    integrity.refuse_non_finite(restored, path, TRAINABLE_ADVICE)
+    nnx.update(model, restored)
+
+
+TRAINABLE_ADVICE = ("restore the run from a copy, or rebuild its parameters from its last checkpoint with "
+                    "`linjax train CONFIG --resume`")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
+
+
+def trainable_path(directory: str) -> str:
+    """Where a finished run keeps its parameters: trainable/, or after a save killed inside its swap
+    the earlier parameters set aside (they match the run's manifest). Absolute: orbax takes no other."""
     path = os.path.join(os.path.abspath(directory), "trainable")
-    if not os.path.exists(path):  # a save killed inside its swap: the earlier parameters, set aside, match
-        aside = glob.glob(os.path.join(os.path.abspath(directory), ".trainable.linjax-old-*"))  # the manifest
+    if not os.path.exists(path):
+        aside = glob.glob(os.path.join(os.path.abspath(directory), ".trainable.linjax-old-*"))
         path = max(aside, key=os.path.getmtime) if aside else path
-    nnx.update(model, _checkpointer().restore(path, target))
+    return path
+
+
+def verify_trainable(directory: str, path: str | None = None) -> None:
+    """Checks a finished run's parameters against the hashes saved with them (`integrity.Damaged`, one
+    line naming the file); a run saved before linjax recorded them is not checked."""
+    path = path or trainable_path(directory)
+    if integrity.has_manifest(path):
+        integrity.verify(path, f"the trained parameters of {directory}", TRAINABLE_ADVICE)
+        return
+    with contextlib.suppress(OSError, ValueError):
+        if "integrity" in read_json(os.path.join(directory, MANIFEST)) and os.path.isdir(path):
+            raise integrity.Damaged(f"the trained parameters of {directory}: {path} has lost its record of hashes "
+                                    f"({integrity.MANIFEST}), so they cannot be trusted; {TRAINABLE_ADVICE}", path)
 
 
 # The adapter of a stage that adds LoRA to an earlier stage's, by the earlier one's.
@@ -149,8 +185,7 @@ def load_trained_parameters(model: CausalLM, directory: str, base: dict | None =
     if not os.path.exists(path):
         raise ValueError(f"{directory} is not a finished training run (no {MANIFEST}); finish it first, or "
                          "point train.init_from at the run directory itself")
-    with open(path) as f:
-        manifest = json.load(f)
+    manifest = read_json(path)
     if manifest.get("kind") != "trained":
         raise ValueError(f"{directory} holds a whole model, not a training run's parameters; train.init_from "
                          "takes a run directory written by `linjax train`")
@@ -178,9 +213,8 @@ def load_trained_parameters(model: CausalLM, directory: str, base: dict | None =
 
 
 def read_manifest(directory: str) -> dict:
-    """linjax.json of a checkpoint; a ValueError if another linjax version wrote it."""
-    with open(os.path.join(directory, MANIFEST)) as f:
-        manifest = json.load(f)
+    """linjax.json of a checkpoint; a ValueError if another linjax version wrote it (or it is damaged)."""
+    manifest = read_json(os.path.join(directory, MANIFEST))
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory}: checkpoint format {manifest.get('format_version')} "
                          f"is not {FORMAT_VERSION}; it was written by another linjax version")
@@ -191,6 +225,7 @@ def load_checkpoint(directory: str, dtype=None):
     """(model, tokenizer or None) from a directory written by `save_checkpoint`. A training run's
     directory (`save_trained`) holds only the trained parameters: `linjax.load` reads it."""
     directory = os.path.abspath(directory)
+    verify_output(directory)  # every file against the hashes recorded when it was written
     manifest = read_manifest(directory)
     if manifest.get("kind") == "trained":
         raise ValueError(f"{directory} holds a training run's parameters on {manifest['base_source']!r}, "
@@ -200,7 +235,11 @@ def load_checkpoint(directory: str, dtype=None):
     linearized = manifest.get("linearize")
     linearized = None if linearized is None else LinearizeConfig.from_saved(linearized)
     graphdef, abstract_state = nnx.split(abstract_model(config, linearized, dtype=saved_dtype))
-    state = _checkpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
+    try:
+        state = _checkpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
+    except Exception as err:  # orbax raises a bare Exception for a file cut short
+        raise integrity.Damaged(f"the parameters in {os.path.join(directory, 'params')} cannot be read "
+                                f"({_first_line(err)}): they are damaged; write the checkpoint again", directory) from None
     model = nnx.merge(graphdef, state)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         model = cast_model(model, dtype)

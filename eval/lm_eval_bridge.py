@@ -55,12 +55,14 @@ import time
 import linjax
 from linjax import heartbeat
 from linjax.eval.models import load_model
-from linjax.files import write_json, write_text, writer_lock
+from linjax.eval.request_cache import RequestCache, caching_lm
+from linjax.files import read_json, write_json, write_text, writer_lock
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "lambada_openai")
 DEFAULT_FEWSHOT = {"mmlu": 5}
 LOCAL_PREFIX = "linjax_"
+REQUESTS_PREFIX = "lm_eval_requests-"  # + the model digest's first 16 hex digits + .jsonl: linjax's request cache
 
 
 def task_name(name: str, local: bool) -> str:
@@ -98,15 +100,16 @@ def load_tasks(names, data_dir: str | None = None):
     return task_manager(data_dir).load([task_name(n, local) for n in names])["tasks"]
 
 
-def evaluate_task(lm, name: str, *, num_fewshot: int, limit, manager, log_samples: bool = False,
-                  use_cache: str | None = None) -> dict:
-    """lm-eval's simple_evaluate of one lm-eval task name with the bridge's settings (seeds, bootstrap)."""
+def evaluate_task(lm, name: str, *, num_fewshot: int, limit, manager, log_samples: bool = False) -> dict:
+    """lm-eval's simple_evaluate of one lm-eval task name with the bridge's settings (seeds, bootstrap).
+    Never with lm-eval's request cache (`use_cache`), which unpickles what its file holds: `run` keeps
+    its own (`request_cache.caching_lm`)."""
     import lm_eval  # optional: `pip install linjax[eval]`
 
     return lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=num_fewshot, limit=limit,
                                    task_manager=manager, log_samples=log_samples, bootstrap_iters=1000,
                                    random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                                   fewshot_random_seed=0, use_cache=use_cache)
+                                   fewshot_random_seed=0, use_cache=None)
 
 
 def _short_hash(x) -> str:
@@ -134,39 +137,57 @@ def sample_records(samples) -> list[dict]:
     return records
 
 
+# Files whose `auto_map` transformers follows to Python code when loading a directory: the model's config,
+# its tokenizer's, and the processors' (AutoProcessor, AutoImageProcessor, AutoFeatureExtractor, ...).
+AUTO_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
+                  "feature_extractor_config.json", "image_processor_config.json", "video_preprocessor_config.json")
+
+
 def remote_code_trusted(directory: str, trust_remote_code: bool = False) -> bool:
     """Whether transformers may run the Python files of HF directory `directory` (trust_remote_code).
 
-    Only when its config asks for its own code (`auto_map`) and every .py file there is byte-identical to
-    linjax's export code (convert/modeling_linjax*.py: a linjax export of a linearized model), or the user
-    said `trust_remote_code`. Any other code asked for is refused (ValueError): running a downloaded folder's
-    Python is the user's decision. Without `auto_map` nothing needs to run."""
+    Only when every `auto_map` a loader follows (config, tokenizer, processor files: `AUTO_MAP_FILES`)
+    names a module of linjax's export code (convert/modeling_linjax*.py, none from the hub) and every
+    .py file there is byte-identical to it (a linjax export of a linearized model), or the user said
+    `trust_remote_code`. Any other code asked for is refused (ValueError naming the file and the
+    reference): running a downloaded folder's Python is the user's decision. Without any `auto_map`
+    nothing needs to run."""
     from linjax.convert.export import MODELING_FILES
 
-    with open(os.path.join(directory, "config.json")) as f:
-        auto_map = json.load(f).get("auto_map")
-    if not auto_map or trust_remote_code:
-        return bool(auto_map)
+    maps = {}
+    for name in AUTO_MAP_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            document = read_json(path)
+            auto_map = document.get("auto_map") if isinstance(document, dict) else None
+            if auto_map:
+                maps[name] = auto_map
+    if not maps or trust_remote_code:
+        return bool(maps)
     ours = {os.path.basename(path): path for path in MODELING_FILES}
     theirs = sorted(name for name in os.listdir(directory) if name.endswith(".py"))
     foreign = [name for name in theirs if name not in ours or not _same_bytes(os.path.join(directory, name),
                                                                             ours[name])]
     # A reference of the form "org/repo--module.Class" fetches code from the hub instead.
-    remote = [ref for ref in _references(auto_map) if "--" in ref]
-    if foreign or remote or not theirs:
+    remote = [f"{ref} ({name})" for name, auto_map in maps.items() for ref in _references(auto_map) if "--" in ref]
+    missing = [f"{ref} ({name})" for name, auto_map in maps.items() for ref in _references(auto_map)
+               if "--" not in ref and f"{ref.rsplit('.', 1)[0]}.py" not in ours]
+    if foreign or remote or missing or not theirs:
         what = f"files that are not linjax's own export code: {', '.join(foreign)}" if foreign else \
-            f"code from elsewhere: {', '.join(remote)}" if remote else "code it does not hold"
+            f"code from elsewhere: {', '.join(remote)}" if remote else \
+            f"code that is not linjax's export code: {', '.join(missing)}" if missing else "code it does not hold"
         older = foreign and all(name in ours for name in foreign)  # e.g. exported by another linjax version
         hint = " (or export the model again with this linjax)" if older else ""
-        raise ValueError(f"{directory} asks transformers to run its own Python (auto_map in config.json), "
-                         f"{what}. Pass --trust-remote-code if you trust that code{hint}")
+        raise ValueError(f"{directory} asks transformers to run its own Python (auto_map in "
+                         f"{', '.join(maps)}), {what}. Pass --trust-remote-code if you trust that code{hint}")
     return True
 
 
 def _references(auto_map) -> list[str]:
     """The "module.Class" strings of an auto_map (a tokenizer's entry is a pair)."""
     refs = []
-    for value in auto_map.values():
+    values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    for value in values:
         refs.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str))
     return refs
 
@@ -314,12 +335,13 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
             seconds.update(earlier.get("seconds_per_task", {}))  # tasks of theirs not asked for now stay too
             finished = [t for t in tasks if t in seconds]
             print(f"resuming {out_dir}: {len(finished)} of {len(tasks)} tasks already finished", flush=True)
-        # Every scored request goes into lm-eval's request cache (sqlite, committed as it is written), so
-        # a run killed inside a long task resumes at the request it had reached. lm-eval keys it by the
-        # request text only, so the file is named after the model files' digest.
-        requests_db = os.path.join(out_dir, f"lm_eval_requests-{digest[:16]}")  # CachingLM adds _rank<N>.db
+        # Every scored request goes into a request cache, written as it is scored, so a run killed inside a
+        # long task resumes at the request it had reached: JSON that linjax writes (eval/request_cache.py),
+        # never lm-eval's pickle store, which would run the code of a foreign file put in the folder. lm-eval
+        # keys requests by their text only, so the file is named after the model files' digest.
+        requests_path = os.path.join(out_dir, f"{REQUESTS_PREFIX}{digest[:16]}.jsonl")
         if not resume:  # a fresh run (the caller checked that replacing earlier results is meant)
-            for path in glob.glob(os.path.join(out_dir, "lm_eval_requests*_rank*.db")) + \
+            for path in glob.glob(os.path.join(out_dir, f"{REQUESTS_PREFIX}*.jsonl")) + \
                     glob.glob(os.path.join(out_dir, "samples_*.jsonl")):
                 os.remove(path)
         _write(out_dir, summary())  # the settings before any work, for a later --resume to check
@@ -327,17 +349,18 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         lm = lm_class(pretrained=directory, trust_remote_code=trusted, device=_device(), dtype="float32",
                       batch_size=batch_size)
         lm.model.register_forward_hook(lambda *_: heartbeat.progress())  # each scored batch is progress
+        cache = RequestCache(requests_path, fresh=not resume)
+        cached = caching_lm(lm, cache)
         for t in tasks:
             if t in seconds:
                 continue
             t0 = time.perf_counter()
             try:
-                out = evaluate_task(lm, names[t], num_fewshot=shots_of[t], limit=limit, manager=manager,
-                                    log_samples=samples, use_cache=requests_db)
-            finally:  # each call opens its own connection to the request cache
-                database = getattr(getattr(lm, "cache_hook", None), "dbdict", None)
-                if database is not None:
-                    database.close()
+                out = evaluate_task(cached, names[t], num_fewshot=shots_of[t], limit=limit, manager=manager,
+                                    log_samples=samples)
+            except BaseException:
+                cache.close()
+                raise
             seconds[t] = time.perf_counter() - t0
             print(f"lm-eval {t}: {seconds[t]:.1f} s", flush=True)
             for name, logged in (out.get("samples") or {}).items():
@@ -347,8 +370,8 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
                 for name, value in (out.get(key) or {}).items():
                     target[_user_name(name)] = value
             _write(out_dir, summary())  # after every task: a long run killed halfway keeps what finished
-        for path in glob.glob(requests_db + "_rank*.db"):  # every task finished: nothing left to resume
-            os.remove(path)
+        cache.close()
+        os.remove(requests_path)  # every task finished: nothing left to resume
     return summary()
 
 
@@ -386,8 +409,7 @@ def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: 
     path = os.path.join(out_dir, "lm_eval_results.json")
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        earlier = json.load(f)
+    earlier = read_json(path)
     if earlier.get("model_sha256") != digest:
         raise ValueError(f"{path} was scored on other weights or tokenizer files than {model_spec!r} has now "
                          f"(content digest {str(earlier.get('model_sha256'))[:16]} there, {digest[:16]} now): resuming would "

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import uuid
 
-from linjax import heartbeat
+from linjax import heartbeat, integrity, storage
 
 
 @contextlib.contextmanager
@@ -113,8 +113,10 @@ _held: dict[str, int] = {}  # lock files this process holds → how many nested 
 
 def lock_path(target: str) -> str:
     """The lock file of an output (a directory or a file): beside it, so that it survives the output
-    being swapped for a new one, and never shows up among the output's own entries."""
-    parent, name = os.path.split(os.path.abspath(target))
+    being swapped for a new one, and never shows up among the output's own entries. Beside the output
+    as links resolve it: a second writer reaching the same run through a symbolic link (or a linked
+    parent folder) takes the same lock."""
+    parent, name = os.path.split(os.path.realpath(target))
     return os.path.join(parent, f".{name}.linjax-lock")
 
 
@@ -203,17 +205,32 @@ def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def refuse_overlap(output: str, inputs: dict, what: str = "the output directory", choose: str = "an --out") -> None:
+    """Refuses (FileExistsError, one line) an `output` that is, lies inside or holds one of `inputs`
+    ({"the training data": path, ...}, or (name, path) pairs; None or a path that does not exist is
+    skipped), compared as
+    links resolve them: writing there would change, or mix files into, what is read. Call it before
+    anything is written."""
+    out = os.path.realpath(output)
+    for name, path in (inputs.items() if isinstance(inputs, dict) else inputs):
+        if path is None or not os.path.exists(path):
+            continue
+        source = os.path.realpath(path)
+        if _within(out, source) or _within(source, out):
+            relation = "is" if out == source else "lies inside" if _within(out, source) else "holds"
+            through = "" if (out, source) == (os.path.abspath(output), os.path.abspath(path)) else \
+                f" (through links: {out} and {source})"
+            raise FileExistsError(f"{what} {os.path.abspath(output)} {relation} {name} {path}{through}; "
+                                  f"choose {choose} outside it")
+
+
 def check_export_directory(directory: str, source: str | None = None) -> str:
     """The absolute path of an output directory that may be (re)written: absent, empty, or an earlier
     output of linjax with nothing added since. Never the input `source` (nor a directory inside it or
     holding it), a training run, a checkpoint linjax did not write as an output, or anyone's other files."""
     directory = os.path.abspath(directory)
-    if source is not None and os.path.exists(source):
-        out, src = os.path.realpath(directory), os.path.realpath(source)
-        if _within(out, src) or _within(src, out):
-            relation = "is" if out == src else "is inside" if _within(out, src) else "holds"
-            raise FileExistsError(f"the output directory {directory} {relation} the input {source}; "
-                                  "choose an --out outside it")
+    if source is not None:
+        refuse_overlap(directory, {"the input": source})
     if not os.path.exists(directory):
         return directory
     if not os.path.isdir(directory):
@@ -254,17 +271,52 @@ def write_directory(directory: str, fill) -> str:
         try:
             with heartbeat.temporary(staging):
                 fill(staging)
+                # Written last: the entries linjax may replace, and each file's size and SHA-256 (`integrity`).
+                marker = {"written_by": "linjax", "entries": sorted(os.listdir(staging)),
+                          "files": integrity.record(staging)}
                 with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
-                    json.dump({"written_by": "linjax", "entries": sorted(os.listdir(staging))}, f, indent=2)
+                    json.dump(marker, f, indent=2)
+                    f.flush()
+                    os.fsync(f.fileno())
                 swap_in(staging, directory)
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(err, WriteFailed):  # a nested output (convert's HF part): report the first cause
                 err = err.__cause__
-            if isinstance(err, OSError):
-                raise _write_error(directory, err) from err
+            fault = storage.os_error(err) if isinstance(err, Exception) else None  # tensorstore's ValueError too
+            if fault is not None:
+                raise _write_error(directory, fault) from err
             raise
     return directory
+
+
+def verify_output(directory: str) -> None:
+    """Checks the files of a directory `write_directory` wrote against the sizes and hashes its marker
+    records (`integrity.Damaged`, one line naming the first that differs); a directory written before
+    the marker recorded them, or not by linjax, is not checked."""
+    path = os.path.join(directory, EXPORT_MARKER)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            files = json.load(f).get("files")
+    except (OSError, ValueError, AttributeError):
+        raise integrity.Damaged(f"{path} (linjax's record of the files beside it) is damaged; write "
+                                f"{directory} again, or remove {EXPORT_MARKER} if you edited it", path) from None
+    if files is not None:
+        integrity.verify(directory, directory, f"write it again (or restore it from a copy); if you changed it "
+                                               f"on purpose, remove its {EXPORT_MARKER} (linjax's record of it)",
+                         files=files)
+
+
+def read_json(path: str):
+    """A JSON file linjax wrote; a ValueError naming it if it does not parse (damaged or cut short)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): it is damaged or was cut short; restore it "
+                             "from a copy") from None
 
 
 def recover_interrupted_swap(directory: str) -> None:

@@ -24,6 +24,8 @@ import contextlib
 import hashlib
 import os
 
+from linjax import environment
+
 ALLOW_ENV = "LINJAX_ALLOW_CHANGED_INPUTS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
@@ -44,7 +46,7 @@ def changes_allowed(allowed: bool = True):
 
 
 def allowed() -> bool:
-    return _allowed or os.environ.get(ALLOW_ENV, "") not in ("", "0")
+    return _allowed or environment.flag(ALLOW_ENV)
 
 
 def file_sha256(path: str) -> str:

@@ -23,6 +23,7 @@ call), and the one-token step one with the layer loop (no stacking per token).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import jax
@@ -78,6 +79,7 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
     if cache_length is not None and cache_length < needed:
         raise ValueError(f"cache_length {cache_length} is too small for {prompt_len} prompt tokens + "
                          f"{max_new_tokens} new ones; pass at least {needed}")
+    refuse_what_cannot_fit(model, batch, cache_length or needed, max_new_tokens)
     graphdef, params = nnx.split(model)
     forward = functools.partial(_compiled_forward(graphdef), params)
     prefill = forward
@@ -110,6 +112,47 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, se
             break
         logits, states = forward(jnp.asarray(token)[:, None], states)
     return jnp.concatenate([tokens, jnp.asarray(np.stack(new, axis=1), jnp.int32)], axis=1)
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def free_memory() -> int | None:
+    """Bytes free where the decoding state goes: the device's (an accelerator's own memory), else the
+    host's available memory; None if unknown."""
+    stats = None
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # not every backend keeps statistics
+        pass
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_what_cannot_fit(model, batch: int, cache_length: int, max_new_tokens: int) -> None:
+    """A ValueError, before anything is allocated, when the decoding states for `cache_length` positions
+    (a KV cache grows with it; a linear layer's state does not) and the tokens produced need more memory
+    than is free. The states' size is exact (`jax.eval_shape` builds them without memory); each new
+    token also costs a host array of about 128 bytes per row and its place in the result."""
+    states = jax.eval_shape(lambda: model.init_states(batch, cache_length))
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states)) + 136 * batch * max_new_tokens
+    free = free_memory()
+    if free is not None and needed > free:
+        raise ValueError(f"generating {max_new_tokens:,} tokens (max_new_tokens; the decoding state for "
+                         f"{cache_length:,} positions, batch {batch}) needs about {_gigabytes(needed)}, more than "
+                         f"the {_gigabytes(free)} free; ask for fewer new tokens")
 
 
 def _scanning_layers(graphdef, params):

@@ -30,8 +30,11 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 def users_copy(source, tmp_path):
+    """A user's own model directory: linjax's record of what it wrote (.linjax-export) is not there, so the
+    edits below reach the checks they test, not the check that the files are as linjax wrote them."""
     directory = tmp_path / "model"
     shutil.copytree(source, directory)
+    (directory / ".linjax-export").unlink()
     return directory
 
 

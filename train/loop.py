@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -46,10 +47,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import linjax
-from linjax import fingerprint, heartbeat
-from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_trained
+from linjax import fingerprint, heartbeat, integrity
+from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_trained, verify_trainable
 from linjax.experiment import OPERATIONAL, describe_changes, setting_changes
-from linjax.files import recover_interrupted_swap, write_json, write_text, writer_lock
+from linjax.files import (read_json, recover_interrupted_swap, refuse_overlap, write_json, write_text,
+                          writer_lock)
 from linjax.layers import Trainable
 from linjax.platform import device_description
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
@@ -215,8 +217,7 @@ def _stored_record(run_dir: str) -> dict | None:
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
 
 
 def _refuse_other_settings(stored: dict, record: dict, run_dir: str) -> None:
@@ -283,12 +284,18 @@ def _finished_as_asked(config, run_dir: str, finished: int) -> bool:
 
 
 class Stopped(Exception):
-    """Training stopped on a signal at a step boundary, its checkpoint saved."""
+    """Training stopped on a signal at a step boundary, its checkpoint saved (or, `finished`, during the
+    final save, which was completed first)."""
 
-    def __init__(self, signum: int, step: int, run_dir: str):
+    def __init__(self, signum: int, step: int, run_dir: str, finished: bool = False):
         self.signum, self.step = signum, step
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; its checkpoint is saved in "
-                         f"{run_dir}: continue with --resume")
+        name = signal.Signals(signum).name
+        if finished:
+            super().__init__(f"stopped by {name} during the final save, which was completed first: {run_dir} is "
+                             f"finished ({step} steps)")
+        else:
+            super().__init__(f"stopped by {name} at step {step}; its checkpoint is saved in {run_dir}: continue "
+                             "with --resume")
 
 
 class _StopRequests:
@@ -346,11 +353,82 @@ def run(config, resume: bool = False, progress: bool = True, allow_changed_input
     False, None); `allow_changed_inputs`: resume although the base model, tokenizer or data changed
     since the run recorded them."""
     run_dir = os.path.abspath(config.run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    # Process 0 speaks for a multi-process run (the others write only their part of each checkpoint).
-    lock = writer_lock(run_dir, f"the run {run_dir}") if jax.process_index() == 0 else contextlib.nullcontext()
-    with lock, fingerprint.changes_allowed(allow_changed_inputs):
-        return _run(config, run_dir, resume, progress, load_finished)
+    refuse_overlap(run_dir, run_inputs(config), "the run directory", "a run_dir")  # before anything is written
+    with fingerprint.changes_allowed(allow_changed_inputs):
+        # A finished run that is what the config asks for needs no writing, so no lock: it answers on a
+        # read-only file system too.
+        if resume and _finished_without_writing(config, run_dir):
+            return linjax.load(run_dir, dtype=config.model.dtype)[0] if load_finished else None
+        os.makedirs(run_dir, exist_ok=True)
+        # Process 0 speaks for a multi-process run (the others write only their part of each checkpoint).
+        lock = writer_lock(run_dir, f"the run {run_dir}") if jax.process_index() == 0 else contextlib.nullcontext()
+        with lock:
+            return _run(config, run_dir, resume, progress, load_finished)
+
+
+def run_inputs(config) -> list[tuple[str, str | None]]:
+    """What a run reads, as (what, local path) pairs: a run directory must lie apart from all of them
+    (inside the training data folder, its config.json would be read as training text)."""
+    from linjax.convert.sources import local_path
+
+    return ([("the base model", local_path(config.model.source)),
+             ("the run it starts from (train.init_from)", config.train.init_from)]
+            + [("the training data", path) for path in config.data.paths or ()])
+
+
+def _finished_without_writing(config, run_dir: str) -> bool:
+    """Whether `run_dir` holds a finished run, intact, that `config` asks for as it is (read only)."""
+    finished = finished_steps(run_dir)
+    if finished is None or _damaged_trainable(run_dir) is not None:
+        return False
+    stored = _stored_record(run_dir)
+    if stored is not None:
+        _refuse_other_settings(stored, config.to_dict(), run_dir)
+    return _finished_as_asked(config, run_dir, finished)
+
+
+def _damaged_trainable(run_dir: str) -> integrity.Damaged | None:
+    try:
+        verify_trainable(run_dir)
+    except integrity.Damaged as damage:
+        return damage
+    return None
+
+
+DAMAGED_CHECKPOINTS = "damaged-checkpoints"
+
+
+def _set_aside_damaged_checkpoints(checkpoint_dir: str, run_dir: str) -> None:
+    """Moves the newest checkpoints that fail their hashes, or lack them (a kill came between orbax's commit
+    and the record, which is written last), to RUN/damaged-checkpoints/, naming each on stderr, so that the
+    run resumes from the newest intact one. A run whose checkpoints have no records (saved before linjax
+    kept them) is left as it is."""
+    if not os.path.isdir(checkpoint_dir):
+        return
+    steps = sorted((int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()), reverse=True)
+    if not any(integrity.has_manifest(os.path.join(checkpoint_dir, str(step))) for step in steps):
+        return
+    set_aside = []
+    for step in steps:
+        path = os.path.join(checkpoint_dir, str(step))
+        try:
+            if not integrity.has_manifest(path):
+                raise integrity.Damaged(f"{path} has no {integrity.MANIFEST} (its save was interrupted)", path)
+            integrity.verify(path, f"checkpoint {step}", "")
+            break
+        except integrity.Damaged as damage:
+            folder = os.path.join(run_dir, DAMAGED_CHECKPOINTS)
+            os.makedirs(folder, exist_ok=True)
+            aside = os.path.join(folder, str(step))
+            while os.path.exists(aside):
+                aside += "+"
+            os.rename(path, aside)
+            set_aside.append(step)
+            print(f"linjax: {damage}; set aside in {aside}", file=sys.stderr, flush=True)
+    if set_aside:
+        remaining = [s for s in steps if s not in set_aside]
+        where = f"checkpoint {remaining[0]}, the newest intact one" if remaining else "step 0 (no intact checkpoint)"
+        print(f"linjax: resuming {run_dir} from {where}", file=sys.stderr, flush=True)
 
 
 def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool):
@@ -362,6 +440,13 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
     if jax.process_index() == 0:
         recover_interrupted_swap(os.path.join(run_dir, "trainable"))  # a save_trained killed in its swap
     history, finished = run_history(run_dir), finished_steps(run_dir)
+    damage = _damaged_trainable(run_dir) if finished is not None else None
+    if damage is not None:
+        if not (resume and _has_checkpoint(run_dir)):
+            raise damage
+        print(f"linjax: {run_dir}/trainable is damaged ({damage.path}); rebuilding it from the run's checkpoints",
+              file=sys.stderr, flush=True)
+        finished = None  # resumed from its last checkpoint, it is saved again
     if history and not resume:
         what = f"a finished run ({finished} steps)" if finished is not None else f"a run ({', '.join(history)})"
         raise FileExistsError(f"{run_dir} already holds {what}; starting again would overwrite it. Continue it "
@@ -373,6 +458,12 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
     if finished is not None and _finished_as_asked(config, run_dir, finished):
         return linjax.load(run_dir, dtype=config.model.dtype)[0] if load_finished else None
     inputs = fingerprint.run_inputs(config)  # before anything is written: a missing data file stops here
+    if resume and jax.process_index() == 0:
+        _set_aside_damaged_checkpoints(checkpoint_dir, run_dir)
+    if resume and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("linjax resume: damaged checkpoints set aside")
     # A save killed halfway leaves only a temporary directory, which orbax never lists as a step;
     # cleanup_tmp_directories removes it at the next start.
     manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
@@ -405,9 +496,17 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
 
     step = start_step
     if step:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            train_state=ocp.args.StandardRestore(per_layer({"trainable": trainable, "opt_state": opt_state})),
-            data=ocp.args.JsonRestore()))
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                train_state=ocp.args.StandardRestore(per_layer({"trainable": trainable, "opt_state": opt_state})),
+                data=ocp.args.JsonRestore()))
+        except Exception as err:  # orbax raises a bare Exception for a file cut short, tensorstore a ValueError
+            manager.close()
+            raise integrity.Damaged(f"checkpoint {step} of {run_dir} cannot be read ({_first_line(err)}): it is "
+                                    f"damaged; move {os.path.join(checkpoint_dir, str(step))} out of checkpoints/ "
+                                    "and --resume again to go on from the one before", checkpoint_dir) from None
+        integrity.refuse_non_finite(restored["train_state"], os.path.join(checkpoint_dir, str(step)),
+                                    "the checkpoint is damaged; move it out of checkpoints/ and --resume again")
         restored_state = sharding.replicate(stacked_by_run(restored["train_state"], runs), mesh)
         trainable, opt_state = restored_state["trainable"], restored_state["opt_state"]
         dataset.restore(restored["data"])
@@ -419,6 +518,8 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
             train_state=ocp.args.StandardSave(per_layer({"trainable": trainable, "opt_state": opt_state})),
             data=ocp.args.JsonSave(dataset.state())), force=True)
         manager.wait_until_finished()
+        if jax.process_index() == 0:  # last: a checkpoint without it is one a kill interrupted
+            integrity.write_manifest(os.path.join(checkpoint_dir, str(at_step)))
 
     train_step = make_train_step(graphdef, optimizer, tc.objective, mesh, remat=tc.remat_policy(),
                                  loss_chunk=tc.loss_chunk_size(), trains=trains)
@@ -461,7 +562,15 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
         bar.close()
     finally:
         manager.close()  # stops orbax's background threads (many runs may share a process)
-    model = nnx.merge(graphdef, unstack_layers(trainable), unstack_layers(frozen))
-    save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype, steps=tc.steps,
-                 inputs={"model": inputs["model"]})
+    with _StopRequests() as stop:  # a signal now waits for the final save to complete
+        model = nnx.merge(graphdef, unstack_layers(trainable), unstack_layers(frozen))
+        save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype, steps=tc.steps,
+                     inputs={"model": inputs["model"]})
+    if stop.signum:
+        raise Stopped(stop.signum, tc.steps, run_dir, finished=True)
     return model
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

@@ -29,7 +29,7 @@ import typing
 import jax.numpy as jnp
 
 import linjax
-from linjax import fingerprint, train
+from linjax import fingerprint, storage, train
 from linjax.app import compilation_cache, hugepages, latency_cli, pipeline, watchdog
 from linjax.app.arguments import non_negative_float, non_negative_int
 from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
@@ -201,9 +201,13 @@ def _train(args):
     try:
         train.run(config, resume=args.resume, progress=not args.no_progress,
                   allow_changed_inputs=args.allow_changed_inputs, load_finished=False)
-    except OSError as err:
+    except Exception as err:
         if isinstance(err, (FileNotFoundError, FileExistsError, WriterBusy)):
             raise
+        fault = storage.os_error(err)  # tensorstore reports a full disk as a ValueError, orbax as an Exception
+        if fault is None:
+            raise
+        err = fault
         # The other writes of the failed save are still running: let them end before the interpreter
         # shuts down under them (which prints their tracebacks).
         deadline = time.monotonic() + 60
@@ -320,23 +324,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
-        hugepages.reexec_module_with_huge_pages("linjax.app.cli", sys.argv[1:])
-        compilation_cache.enable()  # each call is a new process: reuse the programs earlier calls compiled
-    # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    watchdog.dump_stacks_on_sigusr1()
-    args = build_parser().parse_args(argv)
-    watched = getattr(args, "watched", None)  # `linjax run` watches each of its stages itself
     try:
+        if argv is None:  # the `linjax` command: start again with huge pages for XLA's buffers
+            hugepages.reexec_module_with_huge_pages("linjax.app.cli", sys.argv[1:])
+            compilation_cache.enable()  # each call is a new process: reuse the programs earlier calls compiled
+        # transformers is used here for tokenizers only; its "PyTorch was not found" notice is noise.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        storage.quiet_async_storage_errors()  # a full disk is reported once, below, not by every write task
+        watchdog.dump_stacks_on_sigusr1()
+        args = build_parser().parse_args(argv)
+        watched = getattr(args, "watched", None)  # `linjax run` watches each of its stages itself
         with watchdog.watch(watched, args.watchdog) if watched else contextlib.nullcontext():
             args.func(args)
-    except (OSError, ValueError) as err:  # bad input, a missing file, a full disk: one line, no traceback
-        print(f"linjax: error: {describe_error(err)}", file=sys.stderr)
-        sys.exit(USER_ERROR)
     except train.Stopped as stopped:  # SIGTERM / SIGINT in training: a checkpoint at the step boundary, then out
         print(f"linjax: {stopped}", file=sys.stderr)
         sys.exit(128 + stopped.signum)  # the shell's status for "ended by this signal": the run is not done
+    except Exception as err:  # bad input, a missing file, a full disk: one line, no traceback
+        fault = storage.os_error(err)  # however the library reported it (tensorstore: a ValueError)
+        if fault is None and not isinstance(err, ValueError):
+            raise  # a bug: its traceback
+        print(f"linjax: error: {describe_error(fault or err)}", file=sys.stderr)
+        sys.exit(USER_ERROR)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 
 import jax
 
+from linjax import environment
 from linjax.convert.sources import cache_dir
 
 MAX_BYTES = 4 << 30
@@ -24,7 +25,7 @@ MAX_BYTES = 4 << 30
 def folder(environ=None) -> str | None:
     """Where the `linjax` command keeps compiled programs, or None when the user chose otherwise."""
     environ = os.environ if environ is None else environ
-    if environ.get("LINJAX_COMPILATION_CACHE") == "0" or environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if not environment.flag("LINJAX_COMPILATION_CACHE", True, environ) or environ.get("JAX_COMPILATION_CACHE_DIR"):
         return None
     return os.path.join(cache_dir(), "xla")
 

@@ -25,13 +25,17 @@ import os
 import platform
 import sys
 
+from linjax import environment
+
 TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def environment_with_huge_pages(environ=None) -> dict | None:
     """A copy of `environ` with the tunable added, or None when it is set already or cannot apply."""
     environ = dict(os.environ if environ is None else environ)
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc" or environ.get("LINJAX_HUGE_PAGES") == "0":
+    if not environment.flag("LINJAX_HUGE_PAGES", True, environ):
+        return None
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return None
     current = environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" in current:
