@@ -163,7 +163,7 @@ class LinearAttention(Attention):
         return self.output(lin, parts, x.dtype)
 
     def forward_retaining(self, x, position_ids, start: int = 0, cache: LinearLayerCache | None = None):
-        """`forward` with retained tokens (linjax/mixers/retaining.py `by_tokens`): projections, short conv,
+        """`forward` with retained tokens (linjax/mixers/linear_retained.py `by_tokens`): projections, short conv,
         features, gates and the sinks + window softmax run over the block, then each token in turn (which
         tokens are retained depends on the state): the token leaving the window is scored and offered a
         slot, the one evicted or refused is written into the state with the leaving token's decay (the
@@ -208,7 +208,7 @@ class LinearAttention(Attention):
 
     def forward_retaining_blocks(self, x, position_ids, start: int = 0, cache: LinearLayerCache | None = None):
         """`forward` with retained tokens chosen a block of C = `retain_block` at a time (linjax's
-        linjax/mixers/retaining.py `by_blocks`), one token at a time: at a position that is a multiple of C
+        linjax/mixers/linear_retained.py `by_blocks`), one token at a time: at a position that is a multiple of C
         the C tokens t − w .. t − w + C − 1 leave the block-aligned window together, compete with the
         retained ones (`select`), and the losers are written into the state one per step with the leaving
         tokens' decays; every query of the block then reads the same state and attends to the sinks, the

@@ -21,6 +21,7 @@ from flax import nnx
 import linjax.mixers
 from linjax.kernels import retention
 from linjax.layers import Trainable
+from linjax.mixers.linear import LinearMixer
 from linjax.mixers.softmax import SoftmaxAttention
 from linjax.platform import resolve_kernel
 
@@ -29,7 +30,9 @@ def find_mixers() -> dict[str, type]:
     """{mechanism name: mixer class} for every class in linjax/mixers/ that names its `mechanism`.
 
     Each mechanism's module declares itself (its class's `mechanism` attribute), so adding a
-    mechanism needs no edit here; the export (convert/export.py) asks the same classes.
+    mechanism needs no edit here. The registry is the one list of mechanisms: LinearizeConfig,
+    the CLI, the export (convert/export.py), the tests' mechanism grids and the benchmarks read it,
+    and a linear mixer brings what they need (`kernel_module`, `fla_kernel`, `example_inputs`).
     """
     found = {}
     for module_info in sorted(pkgutil.iter_modules(linjax.mixers.__path__), key=lambda m: m.name):
@@ -44,6 +47,8 @@ def find_mixers() -> dict[str, type]:
 
 
 MIXERS = find_mixers()
+# The linear mechanisms (LinearMixer subclasses: a kernel module and a state), in MIXERS' order.
+LINEAR_MIXERS = {name: mixer for name, mixer in MIXERS.items() if issubclass(mixer, LinearMixer)}
 ADAPTERS = (None, "shortconv", "lora", "shortconv+lora")
 COMBINES = ("sum", "mixed")
 CONV_INITS = ("torch", "identity")

@@ -110,12 +110,31 @@ def require_embedded_model() -> str:
 
 
 def linear_mechanisms() -> tuple[str, ...]:
-    """Every linear mechanism of the mixer registry (`linjax.linearize.MIXERS`, the LinearMixer
-    subclasses), so a new mechanism joins the decode and export grids without an edit here."""
-    from linjax.linearize import MIXERS
-    from linjax.mixers.linear import LinearMixer
+    """Every linear mechanism of the mixer registry (`linjax.linearize.LINEAR_MIXERS`), so a new
+    mechanism joins the decode and export grids without an edit here."""
+    from linjax.linearize import LINEAR_MIXERS
 
-    return tuple(name for name, mixer in MIXERS.items() if issubclass(mixer, LinearMixer))
+    return tuple(LINEAR_MIXERS)
+
+
+def one_mechanism_per_kernel() -> tuple[str, ...]:
+    """The first linear mechanism of each kernel module (gla, kgla, gdn, linear_attn, ...): a grid that
+    checks the kernels inside a model runs each kernel once, a new kernel included."""
+    from linjax.linearize import LINEAR_MIXERS
+
+    first = {}
+    for name, mixer in LINEAR_MIXERS.items():
+        first.setdefault(mixer.kernel_module, name)
+    return tuple(first.values())
+
+
+def gated_mechanisms() -> tuple[str, ...]:
+    """The linear mechanisms with gates (a decay, and β for the delta rules): all but Hedgehog today."""
+    import jax
+
+    from linjax.linearize import LINEAR_MIXERS
+
+    return tuple(name for name, mixer in LINEAR_MIXERS.items() if mixer.example_gates(jax.random.key(0), 1, 1, 1, 1))
 
 
 def window_mechanisms() -> tuple[str, ...]:

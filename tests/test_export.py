@@ -267,30 +267,22 @@ def _fla_naive_kernels():
 def test_fla_adapter_matches_pytorch_chunked(kind):
     """`fla_linear`'s argument mapping (gate format, scale, state layout, initial and final state): FLA's naive
     references in place of the CUDA chunk kernels must give `chunked_linear`'s output and final state."""
+    import jax
     import torch
 
     from linjax.convert import modeling_linjax as ml
+    from linjax.linearize import LINEAR_MIXERS
 
     kernels = _fla_naive_kernels()
-    generator = torch.Generator().manual_seed(0)
-    randn = lambda *shape: torch.randn(*shape, generator=generator)
-    B, T, H, D = 2, 37, 3, 16  # T not a multiple of any chunk size
-    Dk = 2 * D if kind == "hedgehog" else D
-    Dv = D + 1 if kind == "hedgehog" else D
-    if kind == "hedgehog":
-        q, k = randn(B, T, H, Dk).softmax(-1), randn(B, T, H, Dk).softmax(-1)
-    else:
-        q, k = ml.l2_normalize(randn(B, T, H, Dk)), ml.l2_normalize(randn(B, T, H, Dk))
-    v = randn(B, T, H, Dv)
-    gates = []
-    if kind in ("gla", "kgla", "gdn"):
-        gates.append(torch.nn.functional.logsigmoid(2 + randn(B, T, H, Dk)))
-    if kind == "gdn_scalar":
-        gates.append(torch.nn.functional.logsigmoid(2 + randn(B, T, H)))
-    if kind in ("kgla", "gdn", "gdn_scalar"):
-        gates.append(torch.sigmoid(randn(B, T, H)))
-    scale = 1.0 if kind == "hedgehog" else Dk ** -0.5
-    state = 0.3 * randn(B, H, Dk, Dv)
+    mixer = LINEAR_MIXERS[kind]
+    B, T, H, D = 2, 37, 3, 16  # T not a multiple of any chunk size; the mirror's q, k, v are on the H query heads
+    q, k, v, *gates = (torch.from_numpy(np.array(x)) for x in
+                       mixer.example_inputs(jax.random.key(0), batch=B, time=T, heads=H, kv_heads=H, head_dim=D))
+    if mixer.normalized:  # the mirror carries the normaliser as v's last column: v → [v, 1]
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    scale = Dk ** -0.5 if mixer.linear_scale is None else mixer.linear_scale
+    state = 0.3 * torch.randn(B, H, Dk, Dv, generator=torch.Generator().manual_seed(0))
     for initial_state in (None, state):
         want, want_state = ml.chunked_linear(kind, q, k, v, gates, scale, initial_state)
         got, got_state = ml.fla_linear(kind, q, k, v, gates, scale, initial_state, kernels=kernels)

@@ -17,7 +17,7 @@ from flax import nnx
 import linjax
 from linjax.config import tiny_config
 from linjax.model import CausalLM
-from tests.helpers import relative_rms
+from tests.helpers import linear_mechanisms, relative_rms
 from tests.test_linearize import assert_decode_equals_one_pass, jitted, tokens_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +91,7 @@ def test_the_default_gate_is_the_low_rank_one_and_other_mechanisms_refuse_the_op
     saved = linjax.LinearizeConfig(mechanism="gla").to_dict()
     del saved["gate"]
     assert linjax.LinearizeConfig.from_saved(saved).gate == "low_rank"
-    for mechanism in ("gdn", "kgla", "gdn_scalar", "hedgehog"):
+    for mechanism in (m for m in linear_mechanisms() if m != "gla"):
         with pytest.raises(ValueError, match="gate='liger_pooled_key' is a GLA gate"):
             linjax.LinearizeConfig(mechanism=mechanism, gate="liger_pooled_key")
     with pytest.raises(ValueError, match="unknown gate 'pooled'"):

@@ -15,7 +15,7 @@ import linjax
 from linjax.config import tiny_config
 from linjax.linearize import mixer_names
 from linjax.model import CausalLM
-from tests.helpers import linear_mechanisms, relative_rms
+from tests.helpers import gated_mechanisms, linear_mechanisms, one_mechanism_per_kernel, relative_rms
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_configs")
 MECHANISMS = linear_mechanisms()
@@ -357,10 +357,10 @@ def test_linearized_generate_is_greedy_under_one_full_pass(tiny_models):
     np.testing.assert_array_equal(out[:, 6:], predicted[:, 5:-1])
 
 
-@pytest.mark.parametrize("mechanism", ["gla", "gdn", "hedgehog"])
+@pytest.mark.parametrize("mechanism", one_mechanism_per_kernel())
 def test_jitted_equals_eager_at_head_dim_64(mechanism):
-    # jaxlib 0.10's CPU "ynn" fusion once turned jitted chunked kernels into garbage at head dim 64
-    # (linjax disables it on import); eager execution never fuses, so it is the witness.
+    # jaxlib 0.10's CPU "ynn" fusion can turn jitted chunked kernels into garbage at head dim 64
+    # (tests/kernels/test_cpu_miscompile.py); eager execution never fuses, so it is the witness.
     base = CausalLM(tiny_config("llama", num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                 head_dim=64, hidden_size=128), rngs=nnx.Rngs(2))
     model = linjax.linearize(base, linjax.LinearizeConfig(mechanism=mechanism, window=0, sinks=0))
@@ -368,8 +368,8 @@ def test_jitted_equals_eager_at_head_dim_64(mechanism):
     assert relative_rms(np.asarray(jitted(model)[0](tokens)), np.asarray(model(tokens))) <= 1e-5
 
 
-@pytest.mark.parametrize("mechanism,extra", [("gla", {}), ("gdn", {}), ("hedgehog", {}),
-                                             ("gdn", dict(scale=1.0, output_gain=True))])
+@pytest.mark.parametrize("mechanism,extra", [(m, {}) for m in one_mechanism_per_kernel()] +
+                         [("gdn", dict(scale=1.0, output_gain=True))])
 def test_pallas_kernels_inside_the_model_match_chunked(tiny_models, mechanism, extra):
     base = tiny_models["qwen3"]
     settings = dict(mechanism=mechanism, window=8, sinks=2, adapter="shortconv", **extra)
@@ -441,7 +441,7 @@ def test_window_only_prefill_then_decode_equals_one_pass(one_layer_models, kind)
         [x.shape for x in jax.tree.leaves(model.init_states(2, 10_000))]  # the cache is the budget, not the context
 
 
-@pytest.mark.parametrize("mechanism", ["gla", "kgla", "gdn", "gdn_scalar"])
+@pytest.mark.parametrize("mechanism", gated_mechanisms())
 def test_gate_bias_sets_the_initial_decay(one_layer_models, mechanism):
     base = one_layer_models["llama"]
     biases = {}

@@ -1,4 +1,5 @@
-"""Retained tokens (issue 37; kernels/retention.py, SinksWindow.retaining_step, mixers/retaining.py by_tokens).
+"""Retained tokens (docs/retention.md; kernels/retention.py, SinksWindow.retaining_step, mixers/linear_retained.py
+by_tokens).
 
 The partition (every past token in exactly one of sinks, window, retained slots, state) is checked
 token by token against a brute-force NumPy simulation of the whole layer: its sets, its delta-rule
@@ -19,7 +20,7 @@ from linjax.config import tiny_config
 from linjax.convert.checkpoint import load_trained_parameters, save_trained
 from linjax.layers import Trainable
 from linjax.linearize import with_budget
-from linjax.mixers.retaining import by_tokens
+from linjax.mixers.linear_retained import by_tokens
 from linjax.model import CausalLM
 
 SINKS, WINDOW, RETAIN = 2, 3, 3

@@ -1,5 +1,5 @@
 """Retained tokens chosen a block at a time (`retain_block` = C > 1; SinksWindow.leaving_block and
-block_attend, retention.select, linjax/mixers/retaining.py by_blocks).
+block_attend, retention.select, linjax/mixers/linear_retained.py by_blocks).
 
 The partition (every past token in exactly one of sinks, block-aligned window, retained slots, state)
 and the layer's output are checked token by token against a brute-force NumPy simulation; then any

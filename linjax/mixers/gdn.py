@@ -13,7 +13,7 @@ from flax import nnx
 
 from linjax.kernels import gdn
 from linjax.layers import Trainable, torch_linear_init, torch_linear_tensors
-from linjax.mixers.gla import GLA
+from linjax.mixers.gla import GLA, example_decay
 
 
 class Beta(nnx.Module):
@@ -31,11 +31,17 @@ class Beta(nnx.Module):
         return torch_linear_tensors(f"{prefix}.beta_proj", self.weight, self.bias)
 
 
+def example_beta(key, batch, time, heads):
+    """Random β [B,T,H] = sigmoid(N(0, 1))."""
+    return jax.nn.sigmoid(jax.random.normal(key, (batch, time, heads), jnp.float32))
+
+
 class GDN(GLA):
     """GLA's gate plus β: the same parameters, created in the same order, and a delta-rule kernel."""
 
     mechanism = "gdn"
-    kernel = gdn
+    kernel_module = gdn
+    fla_kernel = "kda"  # FLA's Kimi Delta Attention: the delta rule with a per-channel decay
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)
@@ -43,6 +49,11 @@ class GDN(GLA):
 
     def gates(self, h, k):
         return self.gate(h), self.beta(h)
+
+    @classmethod
+    def example_gates(cls, key, batch, time, heads, key_dim):
+        decay_key, beta_key = jax.random.split(key)
+        return example_decay(decay_key, batch, time, heads, key_dim), example_beta(beta_key, batch, time, heads)
 
     def mechanism_tensors(self, prefix):
         return {**super().mechanism_tensors(prefix), **self.beta.torch_tensors(prefix)}

@@ -12,13 +12,15 @@ from flax import nnx
 
 from linjax.kernels import gdn
 from linjax.layers import Trainable, torch_linear_init, torch_linear_tensors
-from linjax.mixers.gdn import Beta
+from linjax.mixers.gdn import Beta, example_beta
+from linjax.mixers.gla import example_decay
 from linjax.mixers.linear import LinearMixer
 
 
 class GDNScalar(LinearMixer):
     mechanism = "gdn_scalar"
-    kernel = gdn
+    kernel_module = gdn  # GDN's kernel with a log α of one value per head, [B,T,H]
+    fla_kernel = "gated_delta_rule"
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)
@@ -30,6 +32,11 @@ class GDNScalar(LinearMixer):
     def gates(self, h, k):
         log_alpha = jax.nn.log_sigmoid(h.astype(jnp.float32) @ self.gate_weight[...] + self.gate_bias[...])
         return log_alpha, self.beta(h)
+
+    @classmethod
+    def example_gates(cls, key, batch, time, heads, key_dim):
+        decay_key, beta_key = jax.random.split(key)
+        return example_decay(decay_key, batch, time, heads), example_beta(beta_key, batch, time, heads)
 
     def mechanism_tensors(self, prefix):
         return {**torch_linear_tensors(f"{prefix}.gate_proj", self.gate_weight, self.gate_bias),

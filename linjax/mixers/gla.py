@@ -54,9 +54,15 @@ class PooledKeyGate(nnx.Module):
         return jnp.repeat(log_alpha, self.heads // self.kv_heads, axis=2)  # [B,T,H,D]
 
 
+def example_decay(key, batch, time, heads, *channels):
+    """Random log α [B,T,H,*channels] = LogSigmoid(2 + N(0, 1)): α mostly between 0.7 and 0.99."""
+    return jax.nn.log_sigmoid(2.0 + jax.random.normal(key, (batch, time, heads, *channels), jnp.float32))
+
+
 class GLA(LinearMixer):
     mechanism = "gla"
-    kernel = gla
+    kernel_module = gla
+    fla_kernel = "gla"
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)
@@ -75,6 +81,10 @@ class GLA(LinearMixer):
 
     def gates(self, h, k):
         return (self.decay(h),)
+
+    @classmethod
+    def example_gates(cls, key, batch, time, heads, key_dim):
+        return (example_decay(key, batch, time, heads, key_dim),)
 
     def mechanism_tensors(self, prefix):
         if isinstance(self.gate, PooledKeyGate):  # the PyTorch mirror reads its (merged) k_proj

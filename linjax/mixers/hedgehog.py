@@ -36,7 +36,8 @@ class FeatureMap(nnx.Module):
 
 class Hedgehog(LinearMixer):
     mechanism = "hedgehog"
-    kernel = linear_attn
+    kernel_module = linear_attn
+    fla_kernel = "linear_attn"
     normalized = True
     linear_scale = 1.0  # default scale: φ(q)ᵀφ(k) is already the kernel's similarity
 
@@ -53,6 +54,16 @@ class Hedgehog(LinearMixer):
 
     def gates(self, h, k):
         return ()
+
+    @classmethod
+    def example_gates(cls, key, batch, time, heads, key_dim):
+        return ()
+
+    @classmethod
+    def example_features(cls, q, k):
+        """φ at initialisation (W = I, b = 0): softmax([2x, −2x]), so Dk = 2 · head_dim."""
+        phi = lambda x: jax.nn.softmax(jnp.concatenate([2 * x, -2 * x], axis=-1), axis=-1)
+        return phi(q), phi(k)
 
     def mechanism_tensors(self, prefix):
         return {**torch_linear_tensors(f"{prefix}.query_map.proj", self.query_map.weight, self.query_map.bias),

@@ -13,4 +13,5 @@ from linjax.mixers.gdn import GDN
 
 class KGLA(GDN):
     mechanism = "kgla"
-    kernel = kgla
+    kernel_module = kgla
+    fla_kernel = "gla"  # FLA's GLA, with the key gate folded into its decay

@@ -23,9 +23,12 @@ scale · ‖v‖, so both decide whether the linear part can reach the output si
 of the softmax attention it replaces (at Dk^-1/2 pure GDN does not: results/README.md).
 
 A subclass (one file per mechanism) names its mechanism (`mechanism`, the name
-LinearizeConfig and the export use) and its kernel module in `linjax.kernels`,
-provides the new parameters, `gates(h, k)` and `features(q, k)`, and says how the
-PyTorch mirror names its parameters (`mechanism_tensors`).
+LinearizeConfig, the export and every test grid use), its kernel module in `linjax.kernels`
+(`kernel_module`) and FLA's op for the same recurrence (`fla_kernel`), provides the new
+parameters, `gates(h, k)` and `features(q, k)`, says how the PyTorch mirror names its
+parameters (`mechanism_tensors`), and makes example gates for tests and benchmarks
+(`example_gates`; `example_inputs` adds q, k, v). `linjax.linearize.MIXERS` is the registry:
+tests and benchmarks read these attributes from it instead of listing mechanisms by hand.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from linjax.adapters import LoRA, ShortConv
 from linjax.kernels import scaling
 from linjax.kernels.swa import SoftmaxParts
 from linjax.layers import AttentionProjections, Trainable, float32_array
-from linjax.mixers import retaining
+from linjax.mixers import linear_retained
 from linjax.mixers.sinks_window import SinksWindow
 from linjax.mixers.states import LinearState
 
@@ -56,7 +59,10 @@ class LinearMixer(nnx.Module):
     (and `features` if not L2)."""
 
     mechanism = None  # the mechanism's name (LinearizeConfig.mechanism); None: not a mechanism
-    kernel = None  # a module of linjax.kernels with reference/chunked/step/pallas
+    kernel_module = None  # a module of linjax.kernels with reference/chunked/step/pallas
+    # flash-linear-attention's op with the same recurrence (`fla.ops.<name>`): what the PyTorch export
+    # runs on CUDA, and the kernel benchmarks' comparison. None: FLA has none.
+    fla_kernel = None
     normalized = False  # True for normalised linear attention (Hedgehog): shares the softmax normaliser
     linear_scale = None  # the mechanism's default scale (None: the kernel's Dk^-1/2)
     # Linear inputs (k', v', *gates) that belong to a step rather than to a token: the decay, the first
@@ -101,6 +107,33 @@ class LinearMixer(nnx.Module):
         (convert/modeling_linjax_linear.py), in torch's layout, float32."""
         raise NotImplementedError
 
+    # ---------------------------------------------------------------- for tests and benchmarks
+
+    @classmethod
+    def example_gates(cls, key: jax.Array, batch: int, time: int, heads: int, key_dim: int) -> tuple:
+        """Random gates as `gates(h, k)` returns them and `kernel_module` takes them (fp32, [B,T,H,...]),
+        in the range a trained mixer gives: decays in log space near α ≈ 0.9, β in (0, 1)."""
+        raise NotImplementedError
+
+    @classmethod
+    def example_features(cls, q: jax.Array, k: jax.Array):
+        """Random q, k turned into what the kernel reads, as `features` does at initialisation: L2-normalised."""
+        return l2_normalize(q), l2_normalize(k)
+
+    @classmethod
+    def example_inputs(cls, key: jax.Array, batch: int = 2, time: int = 37, heads: int = 4, kv_heads: int = 2,
+                       head_dim: int = 16, dtype=jnp.float32) -> tuple:
+        """Random (q, k, v, *gates) for `kernel_module`'s four forms: q [B,T,H,Dk], k [B,T,Hkv,Dk] after
+        the mechanism's features (Dk = `feature_dim` of head_dim), v [B,T,Hkv,head_dim] in `dtype`,
+        the gates in fp32."""
+        q_key, k_key, v_key, gate_key = jax.random.split(key, 4)
+        q = jax.random.normal(q_key, (batch, time, heads, head_dim), jnp.float32)
+        k = jax.random.normal(k_key, (batch, time, kv_heads, head_dim), jnp.float32)
+        v = jax.random.normal(v_key, (batch, time, kv_heads, head_dim), jnp.float32)
+        q, k = cls.example_features(q, k)
+        gates = cls.example_gates(gate_key, batch, time, heads, q.shape[-1])
+        return (q.astype(dtype), k.astype(dtype), v.astype(dtype), *gates)
+
     # ---------------------------------------------------------------- export
 
     def torch_tensors(self, prefix: str, pretrained: dict) -> dict[str, np.ndarray]:
@@ -127,11 +160,11 @@ class LinearMixer(nnx.Module):
         if self.scale is not None:
             extra["scale"] = self.scale
         if decode:
-            out, state = self.kernel.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates), state=state,
-                                          **extra)
+            out, state = self.kernel_module.step(q[:, 0], k[:, 0], v[:, 0], *(g[:, 0] for g in gates),
+                                                 state=state, **extra)
             out = jax.tree.map(lambda x: x[:, None], out)  # back to one time step
         else:
-            run = self.kernel.pallas if self.use_pallas else self.kernel.chunked
+            run = self.kernel_module.pallas if self.use_pallas else self.kernel_module.chunked
             out, state = run(q, k, v, *gates, initial_state=state, **extra)
         if self.normalized:  # linear_attn.NormalizedOutput
             return out.o, state, out.normaliser
@@ -170,9 +203,9 @@ class LinearMixer(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, state: LinearState | None = None):
         if self.sinks_window.retain_block > 1:
-            return retaining.by_blocks(self, x, positions, state)
+            return linear_retained.by_blocks(self, x, positions, state)
         if self.sinks_window.retain:
-            return retaining.by_tokens(self, x, positions, state)
+            return linear_retained.by_tokens(self, x, positions, state)
         q, k, v = self.proj.qkv(x, positions, self.lora)
         softmax_qkv, (q, k, v), conv_state = self._window_and_linear_qkv(q, k, v, state)
         q, k = self.features(q, k)

@@ -1,7 +1,9 @@
-"""Retained tokens in a linear mixer (issue 37; docs/retention.md): the mixer's forward when
+"""A linear mixer's forward with retained tokens (docs/retention.md): `LinearMixer.__call__` when
 `retain` > 0, token by token (`by_tokens`) or a block of `retain_block` tokens at a time
-(`by_blocks`). Functions of a LinearMixer (`mixer`): its projections, features, gates and kernel
-are used as they are; only the order in which tokens reach the state and the softmax changes.
+(`by_blocks`). Part of LinearMixer, kept in its own file: functions of a mixer (`mixer`) whose
+projections, features, gates and kernel are used as they are; only the order in which tokens
+reach the state and the softmax changes. Which tokens are retained, and the slots themselves,
+are SinksWindow's (sinks_window.py) and kernels/retention.py's.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def _block_piece(mixer, carry, piece):
     the softmax over sinks ∪ retained ∪ block-aligned window and the state's readout."""
     linear, window = carry
     sq, sk, sv, lq, *lin = piece
-    linear, window = jax.lax.cond(window.length % mixer.sinks_window.retain_block == 0, functools.partial(_block_boundary, mixer),
+    at_boundary = window.length % mixer.sinks_window.retain_block == 0
+    linear, window = jax.lax.cond(at_boundary, functools.partial(_block_boundary, mixer),
                                   lambda linear, window: (linear, window), linear, window)
     parts, window = mixer.sinks_window.block_attend(sq, sk, sv, linear_inputs=tuple(lin), cache=window)
     # the readout q·S of a state that does not change within the block: the kernel with nothing to write
