@@ -144,6 +144,7 @@ def _load_checkpoint(directory: str, dtype):
     manifest = checkpoint.read_manifest(directory)
     if manifest.get("kind") != "trained":
         return checkpoint.load_checkpoint(directory, dtype)
+    checkpoint.verify_trainable(directory)  # before the base model is loaded: a damaged run stops at once
     recorded = (manifest.get("inputs") or {}).get("model")
     if recorded:  # the same base, not only one of the same name and shape (linjax.fingerprint)
         from linjax import fingerprint

@@ -56,7 +56,7 @@ import linjax
 from linjax import heartbeat
 from linjax.eval.models import load_model
 from linjax.eval.request_cache import RequestCache, caching_lm
-from linjax.files import read_json, write_json, write_text, writer_lock
+from linjax.files import read_json, verify_output, write_json, write_text, writer_lock
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 PAPER_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "lambada_openai")
@@ -209,8 +209,10 @@ def is_hf_directory(path: str) -> bool:
 
 @contextlib.contextmanager
 def hf_directory(model_spec: str):
-    """An HF directory for the model: itself if it is one, else a temporary export."""
+    """An HF directory for the model: itself if it is one (checked against the hashes linjax recorded if
+    it wrote it), else a temporary export."""
     if is_hf_directory(model_spec):
+        verify_output(model_spec)
         yield model_spec
         return
     model, tokenizer, _ = load_model(model_spec)

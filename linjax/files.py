@@ -29,8 +29,10 @@ from linjax import heartbeat, integrity, storage
 @contextlib.contextmanager
 def atomic_file(path: str, binary: bool = False):
     """An open file (text in UTF-8, or binary) whose content replaces `path` when the block ends
-    without an error; on an error `path` is left as it was and the temporary file is removed."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    without an error; on an error `path` is left as it was and the temporary file is removed. A `path`
+    that is a symbolic link is written where it leads: the link stays a link."""
+    path = os.path.realpath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     # Beside the target (os.replace cannot cross file systems) and named after it; a unique part, so
     # that two writers of the same file never write into one temporary file.
     temporary = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
@@ -205,12 +207,14 @@ def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def refuse_overlap(output: str, inputs: dict, what: str = "the output directory", choose: str = "an --out") -> None:
+def refuse_overlap(output: str, inputs, what: str = "the output directory", choose: str = "an --out",
+                   relations=("is", "lies inside", "holds")) -> None:
     """Refuses (FileExistsError, one line) an `output` that is, lies inside or holds one of `inputs`
     ({"the training data": path, ...}, or (name, path) pairs; None or a path that does not exist is
     skipped), compared as
     links resolve them: writing there would change, or mix files into, what is read. Call it before
-    anything is written."""
+    anything is written. `relations`: which of the three to refuse (an evaluation's results file may lie
+    beside a model, but must not be one of its inputs)."""
     out = os.path.realpath(output)
     for name, path in (inputs.items() if isinstance(inputs, dict) else inputs):
         if path is None or not os.path.exists(path):
@@ -218,6 +222,8 @@ def refuse_overlap(output: str, inputs: dict, what: str = "the output directory"
         source = os.path.realpath(path)
         if _within(out, source) or _within(source, out):
             relation = "is" if out == source else "lies inside" if _within(out, source) else "holds"
+            if relation not in relations:
+                continue
             through = "" if (out, source) == (os.path.abspath(output), os.path.abspath(path)) else \
                 f" (through links: {out} and {source})"
             raise FileExistsError(f"{what} {os.path.abspath(output)} {relation} {name} {path}{through}; "
@@ -225,10 +231,11 @@ def refuse_overlap(output: str, inputs: dict, what: str = "the output directory"
 
 
 def check_export_directory(directory: str, source: str | None = None) -> str:
-    """The absolute path of an output directory that may be (re)written: absent, empty, or an earlier
-    output of linjax with nothing added since. Never the input `source` (nor a directory inside it or
-    holding it), a training run, a checkpoint linjax did not write as an output, or anyone's other files."""
-    directory = os.path.abspath(directory)
+    """The path of an output directory that may be (re)written, with links resolved (an output given
+    as a link is written where it leads, the link left as it is): absent, empty, or an earlier output
+    of linjax with nothing added since. Never the input `source` (nor a directory inside it or holding
+    it), a training run, a checkpoint linjax did not write as an output, or anyone's other files."""
+    directory = os.path.realpath(directory)
     if source is not None:
         refuse_overlap(directory, {"the input": source})
     if not os.path.exists(directory):
@@ -259,6 +266,7 @@ def write_directory(directory: str, fill) -> str:
     swap leaves the earlier directory as it was; a crash inside the swap leaves the earlier one set
     aside, which the next write (`recover_interrupted_swap`) puts back. One writer at a time
     (`writer_lock`): a second one stops with one line naming the first."""
+    directory = os.path.realpath(directory)  # a link to the output: written where it leads
     with writer_lock(directory):
         recover_interrupted_swap(directory)
         directory = check_export_directory(directory)

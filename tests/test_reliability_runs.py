@@ -416,3 +416,80 @@ def test_lm_eval_registers_its_temporary_export_with_the_watchdog(tiny_source, t
     with hf_directory(str(run)) as directory:
         assert os.path.dirname(directory) in heartbeat.registered_temporaries()
     assert heartbeat.registered_temporaries() == set()
+
+
+# ----------------------------------------------------------------------------- 5. paths as links resolve them
+
+
+@pytest.mark.parametrize("through", ["a link to the run", "a link to its folder"])
+def test_a_second_writer_through_a_symbolic_link_is_stopped(through, tiny_source, corpus, tmp_path, holder, capsys):
+    """The lock belongs to the run, not to the path it was reached by: a `--resume` through a link to a run
+    that another process is writing stops with one line, and the run's files stay as they were."""
+    real = tmp_path / "real"
+    run = real / "run"
+    _write_toml(tmp_path / "run.toml", experiment(run, tiny_source, corpus, steps=2, warmup_steps=0))
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(train.load_experiment(str(tmp_path / "run.toml")).to_dict()))
+    if through == "a link to the run":
+        (tmp_path / "link").symlink_to(run)
+        linked = tmp_path / "link"
+    else:
+        (tmp_path / "link").symlink_to(real)
+        linked = tmp_path / "link" / "run"
+    config_path = tmp_path / "linked.toml"
+    _write_toml(config_path, experiment(linked, tiny_source, corpus, steps=2, warmup_steps=0))
+    pid = holder(run)
+    before = everything(run)
+    status, _, err = run_cli(["train", config_path, "--resume", "--no-progress"], capsys)
+    line = one_line_error(err)
+    assert status == 2 and f"pid {pid}" in line and "another process" in line
+    assert everything(run) == before
+
+
+@pytest.mark.parametrize("where", ["inside the data folder, through a link", "the model folder",
+                                   "holding the data file"])
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_a_run_directory_overlapping_its_inputs_is_refused_before_anything_is_written(
+        command, where, tiny_source, corpus, tmp_path, capsys):
+    """A run directory inside the training data folder wrote config.json there, which every later training on
+    that folder then read as a document: the run directory must lie apart from what the run reads."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(corpus, data / "corpus.jsonl")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_source, model)
+    (tmp_path / "data-link").symlink_to(data)
+    run, named = {"inside the data folder, through a link": (tmp_path / "data-link" / "run", "training data"),
+                  "the model folder": (model, "base model"),
+                  "holding the data file": (data, "training data")}[where]
+    config_path = tmp_path / "run.toml"
+    _write_toml(config_path, experiment(run, str(model), str(data), steps=1, warmup_steps=0))
+    before = everything(tmp_path)
+    status, _, err = run_cli([command, config_path] + (["--no-progress"] if command == "train" else []), capsys)
+    line = one_line_error(err)
+    assert status == 2 and named in line and "run_dir" in line
+    assert everything(tmp_path) == before
+
+
+def test_resume_of_a_finished_run_on_a_read_only_file_system_changes_nothing(tiny_source, corpus, tmp_path):
+    """`linjax train --resume` (and `linjax run`) of a finished run on a read-only mount: "nothing to do",
+    exit 0, as documented; no lock is needed where nothing is written."""
+    from tests.file_systems import in_namespace, linjax, read_only
+
+    import dataclasses
+
+    run = tmp_path / "runs" / "run"
+    config = experiment(run, tiny_source, corpus, steps=1, warmup_steps=0)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, run=()))  # convert, train, report
+    _write_toml(tmp_path / "run.toml", config)
+    pipeline.run(config, log=lambda *_: None, watchdog_seconds=None)
+    before = everything(tmp_path / "runs")
+    done = in_namespace(f"""
+        {read_only(tmp_path / "runs")}
+        {linjax("train", tmp_path / "run.toml", "--resume", "--no-progress")}
+        {linjax("run", tmp_path / "run.toml")}
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{run} is finished (1 steps); nothing to do" in done.stdout
+    assert "[linjax run] train: already done, skipped" in done.stdout and "error" not in done.stderr
+    assert everything(tmp_path / "runs") == before

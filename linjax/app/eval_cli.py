@@ -26,13 +26,25 @@ from linjax.app.arguments import (names_list, non_negative_int, optional_positiv
 from linjax.eval import approx, diagnostics, lambada, lm_eval_bridge, ruler, select_layers
 from linjax.eval.models import load_model
 from linjax.eval.perplexity import summary, text_windows, window_scores
-from linjax.files import write_json
+from linjax.files import refuse_overlap, write_json
 from linjax.linearize import RETAIN_SCORES
+
+
+# The arguments of `linjax eval` subcommands that name something they read.
+INPUT_ARGUMENTS = ("models", "model", "source", "teacher", "student", "data", "data_dir", "haystack", "scores")
 
 
 def _refuse_earlier_results(args, results: str | None, resume: bool = False) -> None:
     """An --out holding `results` of an earlier run is replaced only with --overwrite (or continued with
-    --resume, where the command has it): one line naming it otherwise, before any work."""
+    --resume, where the command has it): one line naming it otherwise, before any work. An --out (or
+    its results file) that is one of the command's inputs, links resolved, is refused even so."""
+    if getattr(args, "out", None):
+        inputs = []
+        for name in INPUT_ARGUMENTS:
+            value = getattr(args, name, None)
+            inputs += [("the input", v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+        for output in {args.out, results} - {None}:
+            refuse_overlap(output, inputs, "--out", "another --out", relations=("is",))
     if results and os.path.exists(results) and not (args.overwrite or resume):
         go_on = "--resume goes on with them, " if hasattr(args, "resume") else ""
         raise FileExistsError(f"{os.path.abspath(args.out)} already holds results ({os.path.basename(results)}); "

@@ -32,8 +32,8 @@ from linjax.eval import approx, lm_eval_bridge, ruler
 from linjax.eval.data import data_dir, data_file
 from linjax.eval.perplexity import perplexity, token_windows
 from linjax.eval.report import write_report
-from linjax.files import write_json, writer_lock
-from linjax.train.loop import run_history
+from linjax.files import read_json, refuse_overlap, write_json, writer_lock
+from linjax.train.loop import run_history, run_inputs
 from linjax.experiment import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
@@ -170,8 +170,7 @@ def _load_stage(run_dir, stage):
     path = _stage_path(run_dir, stage)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
 
 
 def _check_finished_stages(run_dir: str, wanted: list[str], settings: dict) -> set[str]:
@@ -210,8 +209,31 @@ def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_
     tokenizer or training data changed since the run recorded them is refused unless
     `allow_changed_inputs` (`linjax.fingerprint`)."""
     run_dir = os.path.abspath(config.run_dir)
-    with writer_lock(run_dir, f"the run {run_dir}"), fingerprint.changes_allowed(allow_changed_inputs):
-        return _run_stages(config, run_dir, log, watchdog_seconds)
+    refuse_overlap(run_dir, run_inputs(config), "the run directory", "a run_dir")  # before anything is written
+    with fingerprint.changes_allowed(allow_changed_inputs):
+        if _all_done(config, run_dir):  # nothing to write, so no lock: it answers on a read-only file system too
+            for stage in _wanted(config):
+                log(f"[linjax run] {stage}: already done, skipped")
+            return os.path.join(run_dir, "report.md")
+        with writer_lock(run_dir, f"the run {run_dir}"):
+            return _run_stages(config, run_dir, log, watchdog_seconds)
+
+
+def _wanted(config) -> list[str]:
+    return [s for s in STAGES if s in ("convert", "train", "report") or s in config.eval.run]
+
+
+def _all_done(config, run_dir: str) -> bool:
+    """Whether every stage `config` asks for finished with its settings (read only; a finished stage of
+    other settings is refused as `_run_stages` refuses it)."""
+    wanted = _wanted(config)
+    if not all(os.path.exists(_stage_path(run_dir, s)) for s in wanted):
+        return False
+    settings = {stage: stage_settings(config, stage, wanted) for stage in wanted}
+    if _check_finished_stages(run_dir, wanted, settings) != set(wanted):
+        return False
+    _check_inputs(config, run_dir, trained=True)
+    return True
 
 
 def _check_inputs(config, run_dir: str, trained: bool) -> None:
@@ -220,8 +242,7 @@ def _check_inputs(config, run_dir: str, trained: bool) -> None:
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        recorded = json.load(f).get("inputs")
+    recorded = read_json(path).get("inputs")
     if recorded:
         current = {"model": fingerprint.model_fingerprint(config.model.source)}
         if not trained:
@@ -230,7 +251,7 @@ def _check_inputs(config, run_dir: str, trained: bool) -> None:
 
 
 def _run_stages(config, run_dir: str, log, watchdog_seconds) -> str:
-    wanted = [s for s in STAGES if s in ("convert", "train", "report") or s in config.eval.run]
+    wanted = _wanted(config)
     settings = {stage: stage_settings(config, stage, wanted) for stage in wanted}
     done = _check_finished_stages(run_dir, wanted, settings)
     _check_inputs(config, run_dir, trained="train" in done)
