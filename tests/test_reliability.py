@@ -381,3 +381,77 @@ def test_lm_eval_writes_to_a_default_directory_and_never_over_earlier_results(tm
     assert calls[-1] == (str(tmp_path / "runs" / "lm-eval" / "HuggingFaceTB--SmolLM2-135M"), False)
     status, out, err = run_cli(["eval", "lm-eval", "m", "--tasks", "piqa", "--out", tmp_path / "mine"], capsys)
     assert calls[-1] == (str(tmp_path / "mine"), False)
+
+
+# ----------------------------------------------------------------------------- 7. switches, lengths, homes
+
+
+@pytest.mark.parametrize("text, expected", [("", False), ("0", False), ("false", False), ("False", False),
+                                            ("no", False), ("off", False), (" OFF ", False), ("1", True),
+                                            ("true", True), ("Yes", True), ("on", True)])
+def test_boolean_environment_variables_are_parsed_as_booleans(text, expected, monkeypatch):
+    from linjax import fingerprint
+    from linjax.app import compilation_cache, hugepages
+
+    monkeypatch.setenv("LINJAX_ALLOW_CHANGED_INPUTS", text)
+    assert fingerprint.allowed() is expected
+    switched = {"LINJAX_COMPILATION_CACHE": text, "LINJAX_HUGE_PAGES": text, "JAX_COMPILATION_CACHE_DIR": ""}
+    on = text.strip() == "" or expected  # both default to on
+    assert (compilation_cache.folder(switched) is not None) is on
+    if not on:
+        assert hugepages.environment_with_huge_pages(switched) is None
+
+
+def test_a_boolean_environment_variable_of_another_value_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("LINJAX_ALLOW_CHANGED_INPUTS", "maybe")
+    from linjax import fingerprint
+
+    with pytest.raises(ValueError, match="LINJAX_ALLOW_CHANGED_INPUTS='maybe' is not a boolean"):
+        fingerprint.allowed()
+    monkeypatch.delenv("LINJAX_ALLOW_CHANGED_INPUTS")
+    monkeypatch.setenv("LINJAX_HUGE_PAGES", "2")
+    from linjax.app import hugepages
+
+    with pytest.raises(ValueError, match="LINJAX_HUGE_PAGES='2' is not a boolean; set it to one of 1/true/yes/on"):
+        hugepages.environment_with_huge_pages()
+
+
+def test_a_generation_longer_than_memory_allows_is_refused_before_allocating(tiny_source, capsys):
+    """A KV cache for 10^13 positions (petabytes): one line naming the length, not an allocator's traceback."""
+    status, out, err = run_cli(["generate", tiny_source, "--prompt", "Hello", "--max-new-tokens", str(10 ** 13)],
+                               capsys)
+    line = one_line_error(err)
+    assert status == 2 and "10,000,000,000,000 tokens" in line and "free" in line and "fewer new tokens" in line
+    assert "Hello" not in out  # refused before the prompt was printed or anything decoded
+
+
+def test_no_home_directory_is_one_line_not_a_folder_named_tilde(tmp_path, monkeypatch, capsys):
+    """Without HOME (and a user the password database does not know), `~` does not expand: the cache would
+    have gone into a folder named `~` in the working directory."""
+    import pwd
+
+    from tests.test_bad_input import write_gguf
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("LINJAX_CACHE", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli(["convert", write_gguf(tmp_path / "model.gguf"), "--out", tmp_path / "out"], capsys)
+    line = one_line_error(err)
+    assert status == 2 and "HOME is not set" in line and "LINJAX_CACHE" in line
+    assert sorted(os.listdir(tmp_path)) == ["model.gguf"]
+
+
+@pytest.mark.parametrize("command", ["export", "convert", "linearize"])
+@pytest.mark.parametrize("how", ["itself", "a link to it"])
+def test_an_output_that_is_the_model_folder_is_refused(command, how, plain_hf_dir, tmp_path, capsys):
+    out = plain_hf_dir
+    if how == "a link to it":
+        out = tmp_path / "link"
+        out.symlink_to(plain_hf_dir)
+    before = snapshot(plain_hf_dir)
+    status, _, err = run_cli([command, out if how == "itself" else plain_hf_dir, "--out", out], capsys)
+    line = one_line_error(err)
+    assert status == 2 and "is the input" in line
+    assert snapshot(plain_hf_dir) == before and os.path.islink(out) == (how == "a link to it")

@@ -35,7 +35,7 @@ from linjax.app.arguments import non_negative_float, non_negative_int
 from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.app.eval_cli import add_eval_parser
 from linjax.files import WriterBusy, check_export_directory, write_directory, writer_lock
-from linjax.generate import generate
+from linjax.generate import generate, refuse_what_cannot_fit
 from linjax.linearize import (ADAPTERS, COMBINES, CONV_INITS, FLA_DEFAULT_SCALE, GATES, KERNELS, MIXERS,
                               LinearizeConfig, mixer_names)
 from linjax.train.sharding import maybe_initialize_distributed
@@ -169,6 +169,8 @@ def _generate(args):
         raise ValueError("the prompt is empty after tokenization; give a longer --prompt")
     eos = model.config.eos_token_id if args.stop_at_eos else None
     eos = eos[0] if isinstance(eos, tuple) else eos
+    if args.max_new_tokens:  # before the prompt is echoed: a length that cannot fit is one line, nothing else
+        refuse_what_cannot_fit(model, 1, len(ids) + args.max_new_tokens, args.max_new_tokens)
     print(prompt, end="", flush=True)
     produced = []
 
