@@ -30,6 +30,7 @@ from torch import nn
 from .modeling_linjax_attention import MIXERS, Attention, sinks_and_window
 from .modeling_linjax_cache import LinearLayerCache, RetainedSlots
 from .modeling_linjax_kernels import (
+    apply_rope,
     causal_conv,
     chunked_form,
     expand_kv,
@@ -38,6 +39,7 @@ from .modeling_linjax_kernels import (
     l2_normalize,
     recurrent_form,
     resolve_form,
+    rope_inverse_frequencies,
     shift_linear_inputs,
     token_positions,
     window_softmax_parts,
@@ -85,6 +87,9 @@ class LinearAttention(Attention):
         self.output_gain = nn.Parameter(torch.ones(H)) if settings.get("output_gain") else None
         self.conv = "shortconv" in (settings.get("adapter") or "").split("+")  # LoRA is merged in q/k/v/o
         self.conv_on_window = bool(settings.get("conv_on_window", False))
+        # Liger-GLA's form (linjax/mixers/linear.py): q, k of the linear part before RoPE, a state over every token
+        self.linear_rope = bool(settings.get("linear_rope", True))
+        self.state_covers_window = bool(settings.get("state_covers_window", False))
         if self.conv:
             K = int(settings.get("conv_kernel", 8))
             conv = lambda c: nn.Conv1d(c, c, K, groups=c, bias=True)
@@ -141,9 +146,12 @@ class LinearAttention(Attention):
         if self.retain:
             return self.forward_retaining(x, position_ids, start, cache)
         softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
+        if not self.linear_rope:  # rotated back: what the projections gave
+            inverse = -rope_inverse_frequencies(self.rope, self.head_dim)
+            q, k = apply_rope(q, position_ids, inverse), apply_rope(k, position_ids, inverse)
         q, k, v = self.features(q, k, v)
         linear_inputs = [k.float(), v.float(), *self.gates(x)]
-        if self.window:
+        if self.window and not self.state_covers_window:
             linear_inputs, shifted = shift_linear_inputs(linear_inputs, self.sinks, self.window, start,
                                                          None if cache is None else cache.shifted)
             if cache is not None:
@@ -347,7 +355,8 @@ class LinearAttention(Attention):
 class GLA(LinearAttention):
     """S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ (paper, sec. 3.1.2), log α_t = LogSigmoid(h_t W1 W2 + b) per channel;
     with `linearize.gate` "liger_pooled_key", Liger's log α_t = LogSigmoid(k_proj(h_t)) / 16 per kv channel
-    (linjax/mixers/gla.py: Liger's pool keeps k_proj's width, so it is the identity), no gate tensors."""
+    (linjax/mixers/gla.py: Liger's pool keeps k_proj's width, so it is the identity), no gate tensors; with
+    `linearize.feature_map` "softmax", Liger's feature map."""
 
     mechanism = "gla"
     fla_kernel = "gla"
@@ -355,6 +364,7 @@ class GLA(LinearAttention):
     def __init__(self, config):
         super().__init__(config)
         self.pooled_key_gate = config.linearize.get("gate", "low_rank") == "liger_pooled_key"
+        self.feature_map = config.linearize.get("feature_map", "l2")
         if not self.pooled_key_gate:
             rank = int(config.linearize.get("gate_rank", 16))
             self.gate_down = nn.Linear(config.hidden_size, rank, bias=False)
@@ -366,6 +376,12 @@ class GLA(LinearAttention):
             key = self.k_proj(h).float().view(b, t, self.num_kv_heads, self.head_dim)
             return [expand_kv(F.logsigmoid(key) / LIGER_GATE_NORMALIZER, self.num_heads)]
         return [F.logsigmoid(self.gate_up(self.gate_down(h.float()))).view(b, t, self.num_heads, self.head_dim)]
+
+    def features(self, q, k, v):
+        """`linearize.feature_map` "softmax": Liger's softmax over the head dimension, in fp32."""
+        if self.feature_map == "softmax":
+            return torch.softmax(q.float(), dim=-1).to(q.dtype), torch.softmax(k.float(), dim=-1).to(k.dtype), v
+        return super().features(q, k, v)
 
     @staticmethod
     def decay_and_beta(k, gates):

@@ -12,15 +12,18 @@ from linjax.layers import AttentionProjections, Trainable, float32_array, torch_
 
 
 class LoRA(nnx.Module):
-    """Low-rank updates x·A·B·(alpha/rank) for q_proj, k_proj, v_proj and o_proj (PEFT's defaults).
+    """Low-rank updates x·A·B·(alpha/rank) for q_proj, k_proj, v_proj and o_proj (PEFT's defaults), or the
+    projections `targets` names ("q", "k", "v", "o"); the others keep their pretrained weights.
 
     A starts like PEFT's (kaiming-uniform, bound 1/√in) and B at zero, so the
     adapted model starts equal to the pretrained one.
     """
 
-    def __init__(self, proj: AttentionProjections, *, rank: int = 8, alpha: float = 16.0, rngs: nnx.Rngs):
+    def __init__(self, proj: AttentionProjections, *, rank: int = 8, alpha: float = 16.0,
+                 targets=("q", "k", "v", "o"), rngs: nnx.Rngs):
         self.scaling = alpha / rank
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        self.targets = tuple(f"{t}_proj" for t in targets)
+        for name in self.targets:
             fan_in, fan_out = getattr(proj, name).kernel.shape
             down = Trainable(torch_linear_init(rngs.params(), (fan_in, rank), fan_in))
             up = Trainable(jnp.zeros((rank, fan_out), jnp.float32))
@@ -28,6 +31,8 @@ class LoRA(nnx.Module):
             setattr(self, f"{name}_b", up)
 
     def delta(self, name: str, x: jax.Array) -> jax.Array:
+        if name not in self.targets:
+            return jnp.zeros((), x.dtype)  # a projection LoRA does not adapt
         a, b = getattr(self, f"{name}_a")[...], getattr(self, f"{name}_b")[...]
         return ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)) * jnp.asarray(self.scaling, x.dtype)
 
@@ -36,7 +41,7 @@ class LoRA(nnx.Module):
         W + (alpha/rank)·A·B, in float64 then float32. `pretrained`: the torch [out, in] weights by name.
         Exact, because the mixer applies the adapted projections everywhere it uses them."""
         out = {}
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in self.targets:
             a = np.asarray(getattr(self, f"{name}_a")[...], np.float64)
             b = np.asarray(getattr(self, f"{name}_b")[...], np.float64)
             key = f"{prefix}.{name}.weight"

@@ -32,6 +32,8 @@ OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
 # "adapter": the adapter's only (LoRA, short conv). LoLCATs trains its feature maps in an attention-transfer
 # stage, then only LoRA with cross-entropy.
 TRAINABLE = ("all", "mechanism", "adapter")
+SCHEDULES = ("cosine", "plateau")  # train/schedules.py
+KEEPS = ("last", "best_validation")  # train.keep
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # train.remat: what the backward keeps of each decoder layer. "none": everything (fastest, memory
 # grows with layers × T × the MLP width); "layer": each layer's matmul outputs, the rest
@@ -137,6 +139,15 @@ class TrainSection:
     # A finished run directory whose trained parameters start this run (a fresh optimizer and
     # schedule): a second stage, e.g. cross-entropy after an attention-transfer stage.
     init_from: str | None = None
+    # The learning rate's schedule (train/schedules.py): "cosine" (the paper's warm-up then cosine decay) or
+    # "plateau" (Liger's: constant after the warm-up, cut 10x when the validation loss stalls).
+    schedule: str = "cosine"
+    # A validation set while training (train/validation.py): the first `validation_records` records of a
+    # Clean-Alpaca JSON file (Liger's), scored every `validate_every` steps into RUN_DIR/validation.json.
+    validation: str | None = None
+    validation_records: int = 200
+    validate_every: int = 200
+    keep: str = "last"  # KEEPS: the parameters a finished run keeps, its last or its best validation's
     remat: str = "auto"  # REMATS; "auto": "full" with a CUDA device, else "none"
     loss_chunk: int | str = "auto"  # positions per LM-head piece; 0: all at once; "auto": 1,024 on CUDA, else 0
 
@@ -156,7 +167,17 @@ class TrainSection:
         check_number("train.warmup_steps", self.warmup_steps, integer=True, at_least=0)
         check_number("train.lr", self.lr, at_least=0, optional=True)  # 0: the parameters stay where they start
         check_number("train.weight_decay", self.weight_decay, at_least=0)
-        check_number("train.grad_clip", self.grad_clip, above=0)
+        check_number("train.grad_clip", self.grad_clip, at_least=0)  # 0: no clipping
+        check_text("train.schedule", self.schedule, choices=SCHEDULES)
+        check_text("train.validation", self.validation, optional=True)
+        check_number("train.validation_records", self.validation_records, integer=True, at_least=1)
+        check_number("train.validate_every", self.validate_every, integer=True, at_least=1)
+        check_text("train.keep", self.keep, choices=KEEPS)
+        for name, value, needs in (("schedule", self.schedule, "plateau"), ("keep", self.keep, "best_validation")):
+            if value == needs and self.validation is None:
+                raise ValueError(f"train.{name} = {value!r} reads a validation loss; set train.validation (a "
+                                 "Clean-Alpaca JSON file, e.g. the data folder's "
+                                 "alpaca/alpaca_data_cleaned_first5k.json)")
         check_number("train.seed", self.seed, integer=True, at_least=0)
         check_number("train.mesh_data", self.mesh_data, integer=True, at_least=-1)
         if self.mesh_data == 0:

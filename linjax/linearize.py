@@ -54,6 +54,9 @@ COMBINES = ("sum", "mixed")
 CONV_INITS = ("torch", "identity")
 # GLA's decay gate: the paper's low-rank projection of h, or Liger's, read from the key projection.
 GATES = ("low_rank", "liger_pooled_key")
+# What GLA's kernel reads of q and k: L2-normalised (the paper's) or a softmax over the head dimension (Liger's).
+FEATURE_MAPS = ("l2", "softmax")
+LORA_TARGETS = ("q", "k", "v", "o")
 KERNELS = ("auto", "chunked", "pallas")
 RETAIN_SCORES = retention.SCORES
 
@@ -116,6 +119,15 @@ class LinearizeConfig:
         any trained run can be read with it; with it on, every mode runs token by token.
     retain_score: what a leaving token is scored by: "recall" (LoLA's self-recall error
         ‖v − Sᵀk‖ / ‖v‖ against the state it would enter) or "key_norm" (‖k‖, no state needed).
+    feature_map: what GLA's kernel reads of q and k: "l2" (the default, the paper's L2 normalisation)
+        or "softmax" (Liger-GLA's softmax over the head dimension; with `linear_rope` false, as Liger).
+    linear_rope: whether the linear part's q and k carry RoPE (the default, as the window's do). False:
+        they are taken before RoPE (Liger-GLA applies RoPE only to the window softmax's copies).
+    state_covers_window: False (the default, the paper's disjoint split): the linear state holds the
+        tokens that have left the sinks and the window. True: it holds every token, those in the window
+        included (Liger-GLA's, whose GLA runs over the whole sequence beside the window softmax).
+    lora_targets: the projections LoRA adapts, of "q", "k", "v", "o" (all four by default, as
+        LoLCATs; Liger-GLA adapts q, k and v).
     retain_block: 1 (the default) chooses the retained tokens token by token; C > 1 (at most the
         window) a block of C at a time: the window is block-aligned (each query of a block sees
         between w − C + 1 and w recent tokens), the C tokens leaving it at a block boundary compete
@@ -145,6 +157,10 @@ class LinearizeConfig:
     retain: int = 0
     retain_score: str = "recall"
     retain_block: int = 1
+    feature_map: str = "l2"
+    linear_rope: bool = True
+    state_covers_window: bool = False
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         if self.adapter in ("none", ""):  # TOML and the CLI have no None
@@ -218,6 +234,7 @@ class LinearizeConfig:
         if init != 1.0 and not self.output_gain:
             raise ValueError(f"output_gain_init={init} sets the learned gains' start; it needs output_gain=true")
         object.__setattr__(self, "output_gain_init", float(init))
+        self._check_liger_settings()
         keep = self.keep_full_attention
         if isinstance(keep, (list, tuple)):
             object.__setattr__(self, "keep_full_attention", tuple(int(i) for i in keep))
@@ -225,6 +242,40 @@ class LinearizeConfig:
             raise ValueError(f"keep_full_attention as a fraction must be in [0, 1], got {keep}")
         elif not isinstance(keep, float):
             raise ValueError(f"keep_full_attention must be layer indices or a fraction, got {keep!r}")
+
+    def _check_liger_settings(self):
+        """The settings Liger-GLA's form needs: its feature map, q and k without RoPE, a state over every
+        token, LoRA on some projections only."""
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"unknown feature_map {self.feature_map!r}; choose one of {list(FEATURE_MAPS)}")
+        if self.feature_map != "l2" and self.mechanism != "gla":
+            raise ValueError(f"feature_map={self.feature_map!r} is a GLA feature map (Liger-GLA's); use "
+                             "mechanism='gla' or feature_map='l2'")
+        for name in ("linear_rope", "state_covers_window"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        linear = self.mechanism not in ("softmax", "window")
+        if (not self.linear_rope or self.state_covers_window) and not linear:
+            raise ValueError(f"linear_rope and state_covers_window shape the linear part; mechanism="
+                             f"{self.mechanism!r} has none")
+        if not self.linear_rope and self.uses_shortconv:
+            raise ValueError("linear_rope=false takes the linear part's q and k before RoPE, and the short conv "
+                             "reads them after it; use adapter='lora' or none with it")
+        if (not self.linear_rope or self.state_covers_window) and self.retain:
+            raise ValueError(f"retain={self.retain} is for the paper's form; it does not combine with "
+                             "linear_rope=false or state_covers_window=true")
+        if self.state_covers_window and not self.window:
+            raise ValueError("state_covers_window=true puts the window's tokens in the linear state too; it needs "
+                             "window ≥ 1 (without a window the state holds every token already)")
+        targets = self.lora_targets
+        if not isinstance(targets, (list, tuple)) or not targets or any(t not in LORA_TARGETS for t in targets) \
+                or len(set(targets)) != len(targets):
+            raise ValueError(f"lora_targets must be a list of distinct projections from {list(LORA_TARGETS)}, got "
+                             f"{targets!r}")
+        object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if self.lora_targets != LORA_TARGETS and not self.uses_lora:
+            raise ValueError(f"lora_targets={list(self.lora_targets)} chooses what LoRA adapts; it needs "
+                             "adapter='lora' or 'shortconv+lora'")
 
     @property
     def uses_shortconv(self) -> bool:
@@ -255,6 +306,7 @@ class LinearizeConfig:
         out = dataclasses.asdict(self)
         if isinstance(out["keep_full_attention"], tuple):
             out["keep_full_attention"] = list(out["keep_full_attention"])
+        out["lora_targets"] = list(out["lora_targets"])
         return out
 
     @classmethod

@@ -1,8 +1,10 @@
 """Liger-GLA (a peer method the claims compare against): GLA whose decay gate is read from the frozen key projection.
 
 `LinearizeConfig(mechanism="gla", gate="liger_pooled_key")`: log α = LogSigmoid(pool(k_proj(h))) / 16,
-no gate parameters. Here: the gate's formula, decode == one pass, the parameter count, the default
-gate left as it was, a checkpoint round trip, the claims config, and the PyTorch export's logits.
+no gate parameters; with `feature_map="softmax"`, `linear_rope=False`, `state_covers_window=True` and
+`lora_targets=["q", "k", "v"]`, the form Liger's code runs. Here: the gate's formula, that form against a
+direct computation of Liger's, decode == one pass, the parameter count, the default gate left as it was,
+a checkpoint round trip, the claims configs, and the PyTorch export's logits.
 """
 
 import json
@@ -23,6 +25,9 @@ from tests.test_linearize import assert_decode_equals_one_pass, jitted, tokens_f
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIGER = dict(mechanism="gla", gate="liger_pooled_key", combine="mixed", window=64, sinks=0, adapter="lora",
              lora_alpha=8.0)
+# As Liger's code: softmax feature maps on q and k before RoPE, GLA over every token, LoRA on q, k and v.
+LIGER_CODE = dict(LIGER, feature_map="softmax", linear_rope=False, state_covers_window=True,
+                  lora_targets=["q", "k", "v"])
 
 
 def liger_model(kind="llama", layers=1, seed=3, **overrides):
@@ -31,7 +36,7 @@ def liger_model(kind="llama", layers=1, seed=3, **overrides):
     model = linjax.linearize(CausalLM(config, rngs=nnx.Rngs(7)), linjax.LinearizeConfig(**{**LIGER, **overrides}),
                              seed=seed)
     for i, block in enumerate(model.layers):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in block.attn.lora.targets:
             b = getattr(block.attn.lora, f"{name}_b")
             b[...] = 0.05 * jax.random.normal(jax.random.key(10 * i + len(name)), b.shape)
     return model
@@ -55,6 +60,103 @@ def test_the_gate_is_the_adapted_key_projection_through_logsigmoid_over_16():
 def test_prefill_then_decode_equals_one_pass(kind, window, sinks):
     combine = "mixed" if window else "sum"
     assert_decode_equals_one_pass(liger_model(kind, window=window, sinks=sinks, combine=combine))
+
+
+@pytest.mark.parametrize("kind,window,sinks", [("llama", 64, 0), ("llama", 56, 8), ("qwen3", 24, 0)])
+def test_the_code_form_decodes_as_one_pass(kind, window, sinks):
+    assert_decode_equals_one_pass(liger_model(kind, window=window, sinks=sinks, **{
+        k: v for k, v in LIGER_CODE.items() if k not in ("window", "sinks")}))
+
+
+def liger_code_reference(mixer, x, window):
+    """Liger's attention as its code computes it (liger_gla modeling), in NumPy, one token at a time: GLA on
+    softmax(q), softmax(k) of the projections (no RoPE) over every token with log α = LogSigmoid(k) / 16
+    and scale 1, beside softmax attention over the last `window` tokens with RoPE; 0.5 of each, then o_proj."""
+    from linjax.layers import apply_rope, rope_inverse_frequencies
+
+    proj, lora = mixer.proj, mixer.lora
+    b, t, _ = x.shape
+    heads, kv_heads, d = proj.num_heads, proj.num_kv_heads, proj.head_dim
+    project = lambda name, n: np.asarray(proj._project(name, x, lora)).reshape(b, t, n, d).astype(np.float64)
+    q, k, v = project("q_proj", heads), project("k_proj", kv_heads), project("v_proj", kv_heads)
+    if proj.q_norm is not None:  # Qwen3: linjax's linear part reads q and k after its norms (only RoPE undone)
+        q, k = (np.asarray(norm(jnp.asarray(a, jnp.float32)), np.float64) for norm, a in
+                ((proj.q_norm, q), (proj.k_norm, k)))
+    log_alpha = np.asarray(jax.nn.log_sigmoid(jnp.asarray(project("k_proj", kv_heads)))) / 16
+    group = heads // kv_heads
+    k, v, log_alpha = (np.repeat(a, group, axis=2) for a in (k, v, log_alpha))
+
+    def softmax(a):
+        e = np.exp(a - a.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    fq, fk = softmax(q), softmax(k)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    inv_freq = rope_inverse_frequencies(proj.config)
+    rq, rk = (np.asarray(apply_rope(jnp.asarray(a, jnp.float32), positions, inv_freq), np.float64) for a in (q, k))
+    out = np.zeros((b, t, heads, d))
+    state = np.zeros((b, heads, d, d))
+    for i in range(t):
+        state = np.exp(log_alpha[:, i])[..., None] * state + fk[:, i, :, :, None] * v[:, i, :, None, :]
+        linear = np.einsum("bhd,bhde->bhe", fq[:, i], state)
+        first = max(0, i - window + 1)
+        scores = np.einsum("bhd,bshd->bhs", rq[:, i], rk[:, first:i + 1]) / np.sqrt(d)
+        weights = softmax(scores)
+        windowed = np.einsum("bhs,bshd->bhd", weights, v[:, first:i + 1])
+        out[:, i] = 0.5 * linear + 0.5 * windowed
+    return np.asarray(proj.out(jnp.asarray(out, jnp.float32), lora))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_code_form_is_liger_codes_computation(kind):
+    model = liger_model(kind, window=8, **{k: v for k, v in LIGER_CODE.items() if k != "window"})
+    mixer = model.layers[0].attn
+    x = jax.random.normal(jax.random.key(1), (2, 21, model.config.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(21), (2, 21))
+    got = np.asarray(mixer(x, positions))
+    assert relative_rms(got, liger_code_reference(mixer, x, window=8)) <= 1e-5
+    # each of the three settings changes the output: they are not the defaults in disguise
+    for setting, default in (("feature_map", "l2"), ("linear_rope", True), ("state_covers_window", False)):
+        other = liger_model(kind, window=8, **{**{k: v for k, v in LIGER_CODE.items() if k != "window"},
+                                               setting: default})
+        assert relative_rms(np.asarray(other.layers[0].attn(x, positions)), got) > 1e-3, setting
+
+
+def test_lora_adapts_only_its_targets():
+    liger, every = liger_model(layers=2, lora_targets=["q", "k", "v"]), liger_model(layers=2)
+    mixer = liger.layers[0].attn
+    assert mixer.lora.targets == ("q_proj", "k_proj", "v_proj") and not hasattr(mixer.lora, "o_proj_a")
+    o_proj = every.layers[0].attn.proj.o_proj.kernel
+    rank = liger.linearize_config.lora_rank
+    assert (linjax.trainable_parameter_count(every) - linjax.trainable_parameter_count(liger)
+            == 2 * rank * (o_proj.shape[0] + o_proj.shape[1]))
+    h = jax.random.normal(jax.random.key(2), (1, 3, o_proj.shape[0]))
+    assert float(jnp.abs(mixer.lora.delta("o_proj", h)).max()) == 0.0
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(mechanism="gdn", feature_map="softmax"), "feature_map='softmax' is a GLA feature map"),
+    (dict(mechanism="gla", feature_map="elu"), "unknown feature_map 'elu'"),
+    (dict(mechanism="gla", linear_rope=False, adapter="shortconv"), "linear_rope=false takes the linear part"),
+    (dict(mechanism="gla", state_covers_window=True, window=0, sinks=0), "state_covers_window=true puts"),
+    (dict(mechanism="gla", state_covers_window=True, retain=8), "does not combine with"),
+    (dict(mechanism="window", linear_rope=False), "mechanism='window' has none"),
+    (dict(mechanism="gla", adapter="lora", lora_targets=["q", "x"]), "lora_targets must be a list of distinct"),
+    (dict(mechanism="gla", lora_targets=["q"]), "it needs adapter='lora'"),
+    (dict(mechanism="gla", linear_rope="no"), "linear_rope must be true or false")])
+def test_the_code_forms_settings_refuse_what_they_cannot_mean_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
+        linjax.LinearizeConfig(**settings)
+    assert "\n" not in str(error.value)
+
+
+def test_settings_saved_before_the_code_form_load_as_they_were():
+    saved = linjax.LinearizeConfig(**LIGER).to_dict()
+    for key in ("feature_map", "linear_rope", "state_covers_window", "lora_targets"):
+        del saved[key]
+    restored = linjax.LinearizeConfig.from_saved(saved)
+    assert (restored.feature_map, restored.linear_rope, restored.state_covers_window, restored.lora_targets) == (
+        "l2", True, False, ("q", "k", "v", "o"))
 
 
 def test_pallas_kernels_inside_the_model_match_chunked():
@@ -130,8 +232,11 @@ def write_liger_cases(root: str):
     jax.config.update("jax_disable_most_optimizations", True)
     tokens = np.random.default_rng(0).integers(0, 128, (2, 150)).astype(np.int32)
     manifest = []
+    code = {k: v for k, v in LIGER_CODE.items() if k not in ("window", "sinks")}
     for name, model in (("liger-llama", liger_model("llama", layers=2)),
-                        ("liger-qwen3", liger_model("qwen3", layers=2, window=56, sinks=8))):
+                        ("liger-qwen3", liger_model("qwen3", layers=2, window=56, sinks=8)),
+                        ("liger-code-llama", liger_model("llama", layers=2, **code)),
+                        ("liger-code-qwen3", liger_model("qwen3", layers=2, window=56, sinks=8, **code))):
         linjax.save_hf(model, os.path.join(root, name))
         np.savez(os.path.join(root, name + ".npz"), tokens=tokens,
                  logits=np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens))))
@@ -151,7 +256,7 @@ def test_export_matches_linjax_without_jax(tmp_path):
     _run(["-c", f"from tests.test_liger_gla import write_liger_cases; write_liger_cases({root!r})"], cwd=root)
     results = json.loads(_run(["-c", TORCH_CHECK, root], cwd=root).strip().splitlines()[-1])
     print(json.dumps(results, indent=1))
-    for name in ("liger-llama", "liger-qwen3"):
+    for name in ("liger-llama", "liger-qwen3", "liger-code-llama", "liger-code-qwen3"):
         for case in (name, name + "-recurrent"):
             assert results[case]["max_abs"] <= TOLERANCE, f"{case}: max abs logit difference {results[case]}"
             assert results[case]["class"] == "LinjaxForCausalLM"

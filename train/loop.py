@@ -55,9 +55,10 @@ from linjax.files import (read_json, recover_interrupted_swap, refuse_overlap, w
 from linjax.layers import Trainable
 from linjax.platform import device_description
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
-from linjax.train import sharding
+from linjax.train import schedules, sharding
 from linjax.train.data import build_dataset
 from linjax.train.objectives import objective_loss
+from linjax.train.validation import Validation
 
 
 class TrainingDiverged(ValueError):
@@ -72,12 +73,8 @@ class TrainingDiverged(ValueError):
 
 
 def make_optimizer(train_config, adapter):
-    lr = train_config.learning_rate(adapter)
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=train_config.warmup_steps,
-        decay_steps=train_config.steps, end_value=0.0)
-    return optax.chain(optax.clip_by_global_norm(train_config.grad_clip),
-                       optax.adamw(schedule, weight_decay=train_config.weight_decay)), schedule
+    """(optimizer, schedule): AdamW with `train.schedule`'s learning rate (train/schedules.py)."""
+    return schedules.make_optimizer(train_config, train_config.learning_rate(adapter))
 
 
 # The attributes of a linear mixer that hold its adapter (linjax/mixers/linear.py: LoRA, short conv).
@@ -523,6 +520,7 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
 
     train_step = make_train_step(graphdef, optimizer, tc.objective, mesh, remat=tc.remat_policy(),
                                  loss_chunk=tc.loss_chunk_size(), trains=trains)
+    validation = Validation.create(config, tokenizer, graphdef, frozen, runs, mesh, run_dir, schedule, opt_state)
     tokens_per_step = tc.batch_size * tc.seq_len
     say(f"model loaded and linearized ({parameters:,} new parameters) in {time.perf_counter() - began:.0f} s; "
         f"step {step + 1} of {tc.steps} next, compiled first")
@@ -553,6 +551,8 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
                 heartbeat.progress()
+                if validation is not None:  # before the step's checkpoint, which holds the plateau's state
+                    opt_state = validation.after_step(step, trainable, opt_state)
                 if step == start_step + 1:
                     say(f"step {step} took {elapsed:.1f} s (its compilation included), loss {metrics['loss']:.4f}")
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
@@ -562,6 +562,8 @@ def _run(config, run_dir: str, resume: bool, progress: bool, load_finished: bool
         bar.close()
     finally:
         manager.close()  # stops orbax's background threads (many runs may share a process)
+    if validation is not None:  # the best validation's parameters, with train.keep = "best_validation"
+        trainable = validation.kept(trainable)
     with _StopRequests() as stop:  # a signal now waits for the final save to complete
         model = nnx.merge(graphdef, unstack_layers(trainable), unstack_layers(frozen))
         save_trained(model, run_dir, base_source=config.model.source, dtype=config.model.dtype, steps=tc.steps,

@@ -10,6 +10,10 @@ is the identity: each key channel, before q/k norm and RoPE (with LoRA's update 
 one), is the logit of its own decay. Dividing by 16 (Liger's gate logit normaliser, as in GLA's
 original gate) keeps α near 1: α = sigmoid(k)^(1/16), 0.96 at k = 0. Query head h reads kv
 head h // (H / Hkv), as the keys do.
+
+`feature_map = "softmax"` is Liger-GLA's feature map: the kernel reads softmax(q) and softmax(k) over
+the head dimension instead of L2-normalised q and k; Liger takes them before RoPE (`linear_rope =
+false`) and runs its GLA over every token beside the window (`state_covers_window = true`).
 """
 
 from __future__ import annotations
@@ -66,12 +70,21 @@ class GLA(LinearMixer):
 
     def __init__(self, proj, settings, *, rngs: nnx.Rngs):
         super().__init__(proj, settings, rngs=rngs)
+        self.feature_map = settings.feature_map
         if settings.gate == "liger_pooled_key":
             self.gate = PooledKeyGate(proj.num_heads, proj.num_kv_heads, proj.head_dim)
         else:
             hidden = proj.q_proj.kernel.shape[0]
             self.gate = LowRankGate(hidden, proj.num_heads, proj.head_dim, rank=settings.gate_rank,
                                      bias=settings.gate_bias, rngs=rngs)
+
+    def features(self, q, k):
+        """`feature_map` "softmax": Liger's softmax(q), softmax(k) over the head dimension, in fp32 (each
+        a distribution over the D channels, so qᵀk ∈ (0, 1]); "l2": the paper's L2 normalisation."""
+        if self.feature_map == "softmax":
+            return (jax.nn.softmax(q.astype(jnp.float32), axis=-1).astype(q.dtype),
+                    jax.nn.softmax(k.astype(jnp.float32), axis=-1).astype(k.dtype))
+        return super().features(q, k)
 
     def decay(self, h):
         """log α [B,T,H,D] from the block input h [B,T,d]."""

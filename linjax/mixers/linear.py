@@ -41,7 +41,7 @@ from flax import nnx
 from linjax.adapters import LoRA, ShortConv
 from linjax.kernels import scaling
 from linjax.kernels.swa import SoftmaxParts
-from linjax.layers import AttentionProjections, Trainable, float32_array
+from linjax.layers import AttentionProjections, Trainable, apply_rope, float32_array, rope_inverse_frequencies
 from linjax.mixers import linear_retained
 from linjax.mixers.sinks_window import SinksWindow
 from linjax.mixers.states import LinearState
@@ -79,8 +79,10 @@ class LinearMixer(nnx.Module):
         self.scale = self.linear_scale if settings.scale is None else settings.scale
         self.use_pallas = settings.uses_pallas()
         heads, kv_heads, head_dim = proj.num_heads, proj.num_kv_heads, proj.head_dim
-        self.lora = (LoRA(proj, rank=settings.lora_rank, alpha=settings.lora_alpha, rngs=rngs)
-                     if settings.uses_lora else None)
+        self.lora = (LoRA(proj, rank=settings.lora_rank, alpha=settings.lora_alpha, targets=settings.lora_targets,
+                          rngs=rngs) if settings.uses_lora else None)
+        self.linear_rope = settings.linear_rope
+        self.state_covers_window = settings.state_covers_window
         self.conv = (ShortConv(heads * head_dim, kv_heads * head_dim, kernel_size=settings.conv_kernel,
                                init=settings.conv_init, rngs=rngs)
                      if settings.uses_shortconv else None)
@@ -208,16 +210,26 @@ class LinearMixer(nnx.Module):
             return linear_retained.by_tokens(self, x, positions, state)
         q, k, v = self.proj.qkv(x, positions, self.lora)
         softmax_qkv, (q, k, v), conv_state = self._window_and_linear_qkv(q, k, v, state)
-        q, k = self.features(q, k)
+        q, k = self.features(*self._linear_rope(q, k, positions))
         gates = tuple(self.gates(x, k))
         parts, (lin_k, lin_v, *lin_gates), window_state = self.sinks_window(
             *softmax_qkv, linear_inputs=(k, v) + gates, cache=None if state is None else state.window)
+        if self.state_covers_window:  # Liger: every token enters the state at once, the window's too
+            lin_k, lin_v, lin_gates = k, v, gates
         lin_out, linear_state, normaliser = self._run_kernel(q, lin_k, lin_v, lin_gates, state)
         y = self._combine(*self._apply_gain(lin_out, normaliser), parts)
         out = self.proj.out(y.astype(x.dtype), self.lora)
         if state is None:
             return out
         return out, LinearState(linear_state, state.length + x.shape[1], conv_state, window_state)
+
+    def _linear_rope(self, q, k, positions):
+        """The linear part's q and k: as they are (with RoPE), or with `linear_rope` off, rotated back by their
+        positions to what the projections gave (Liger-GLA's feature maps read q and k before RoPE)."""
+        if self.linear_rope:
+            return q, k
+        inverse = -rope_inverse_frequencies(self.proj.config)  # the opposite rotation undoes RoPE
+        return apply_rope(q, positions, inverse), apply_rope(k, positions, inverse)
 
     def _window_and_linear_qkv(self, q, k, v, state):
         """(the window softmax's q, k, v; the linear part's, before its feature map; the conv's caches).
