@@ -152,3 +152,84 @@ def test_every_evaluation_keeps_earlier_results_without_overwrite(argv, results,
     assert marker.read_text() == "earlier results\n"
     status, _, err = run_cli(argv + ["--overwrite"], capsys)  # gets past the check (to the missing model)
     assert "already holds results" not in err
+
+
+@pytest.mark.parametrize("file, auto_map, named", [
+    ("tokenizer_config.json", {"AutoTokenizer": ["someone/repo--tokenization_x.Tok", None]},
+     "code from elsewhere: someone/repo--tokenization_x.Tok (tokenizer_config.json)"),
+    ("preprocessor_config.json", {"AutoProcessor": "processing_mine.MineProcessor"},
+     "not linjax's export code: processing_mine.MineProcessor (preprocessor_config.json)"),
+    ("processor_config.json", {"AutoProcessor": "someone/repo--processing.P"}, "someone/repo--processing.P"),
+])
+def test_every_auto_map_a_loader_follows_is_checked(file, auto_map, named, tmp_path):
+    """A folder that is linjax's export in every other way, but whose tokenizer or processor config names other
+    code: transformers would run it under the same trust_remote_code=True."""
+    directory = export_like(tmp_path / "model")
+    (tmp_path / "model" / file).write_text(json.dumps({"auto_map": auto_map}))
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")) as refused:
+        lm_eval_bridge.remote_code_trusted(directory)
+    assert "--trust-remote-code" in str(refused.value)
+    assert lm_eval_bridge.remote_code_trusted(directory, trust_remote_code=True) is True
+
+
+def test_a_tokenizers_own_code_is_refused_when_the_config_asks_for_none(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_mine.T", None]}}))
+    (model / "tokenization_mine.py").write_text(EVIL_MODELING)
+    with pytest.raises(ValueError, match=r"auto_map in tokenizer_config.json.*tokenization_mine\.py"):
+        lm_eval_bridge.remote_code_trusted(str(model))
+
+
+class RunsCodeWhenUnpickled:
+    """What a foreign pickle can do: here, leave a file saying it ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path(self.marker).write_text, ("unpickled",)
+
+
+def test_a_foreign_request_cache_is_never_unpickled(tiny_source, shared_data, tmp_path, monkeypatch):
+    """lm-eval's request cache is a pickle store: a resumed evaluation in a shared folder must not load a `.db`
+    someone put there under its name, even one that holds exactly the requests the evaluation asks."""
+    require_module("lm_eval", "pip install -e '.[eval]'")
+    from sqlitedict import SqliteDict
+
+    from linjax.eval.shared_prefix_lm import SharedPrefixHFLM
+
+    common = dict(tasks=["arc_easy"], data_dir=shared_data, limit=2)
+    reference = lm_eval_bridge.run(tiny_source, out_dir=str(tmp_path / "reference"), **common)
+    score = SharedPrefixHFLM._score_continuations
+    scored = []
+
+    def killed_after_one(self, *args):
+        if scored:
+            raise KeyboardInterrupt("killed")
+        scored.append(1)
+        return score(self, *args)
+
+    out = tmp_path / "shared-folder"
+    monkeypatch.setattr(SharedPrefixHFLM, "_score_continuations", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        lm_eval_bridge.run(tiny_source, out_dir=str(out), **common)
+    monkeypatch.undo()
+    keys = set()  # the requests scored before the kill, from whichever cache the run keeps
+    for path in out.glob("lm_eval_requests-*.jsonl"):
+        keys |= {json.loads(line)["request"] for line in path.read_text().splitlines() if line.strip()}
+    for path in out.glob("lm_eval_requests-*.db"):
+        with SqliteDict(str(path)) as cached:
+            keys |= set(cached.keys())
+    assert keys
+    digest = lm_eval_bridge.model_digest(tiny_source)
+    marker = tmp_path / "ran"
+    with SqliteDict(str(out / f"lm_eval_requests-{digest[:16]}_rank0.db"), autocommit=True) as foreign:
+        for key in keys:
+            foreign[key] = RunsCodeWhenUnpickled(marker)
+    result = lm_eval_bridge.run(tiny_source, out_dir=str(out), resume=True, **common)
+    assert not marker.exists()
+    assert result["results"]["arc_easy"] == reference["results"]["arc_easy"]
