@@ -7,6 +7,7 @@ direct computation of Liger's, decode == one pass, the parameter count, the defa
 a checkpoint round trip, the claims configs, and the PyTorch export's logits.
 """
 
+import dataclasses
 import json
 import os
 
@@ -224,6 +225,29 @@ def test_the_claims_config_is_the_peer_recipe():
     assert config.data == row.data
     assert (config.train.batch_size, config.train.warmup_steps, config.train.objective) == (
         row.train.batch_size, row.train.warmup_steps, row.train.objective)
+
+
+def test_the_code_claims_config_is_liger_codes_recipe():
+    """configs/claims/liger-gla-code.toml: the form and the training Liger's code uses, on the claims rows'
+    data and budget; its seeds and its sinks variant differ from it where named only."""
+    from linjax.experiment import load_experiment
+
+    config = load_experiment(os.path.join(ROOT, "configs", "claims", "liger-gla-code.toml"))
+    expected = linjax.LinearizeConfig(**{**LIGER_CODE, "lora_rank": 8, "scale": 1.0})
+    assert config.linearize == expected
+    train = config.train
+    assert (train.lr, train.warmup_steps, train.weight_decay, train.grad_clip) == (1e-3, 0, 0.01, 0)
+    assert (train.schedule, train.keep, train.validation_records, train.validate_every) == (
+        "plateau", "best_validation", 200, 200)
+    assert train.validation.endswith("alpaca/alpaca_data_cleaned_first5k.json")
+    row = load_experiment(os.path.join(ROOT, "configs", "claims", "gla-w56-s8.toml"))  # the same data and budget
+    assert config.data == row.data and (train.steps, train.seq_len, train.batch_size) == (2000, 512, 1)
+    for seed in (2, 3):
+        other = load_experiment(os.path.join(ROOT, "configs", "claims", f"liger-gla-code-seed{seed}.toml"))
+        assert other.train.seed == seed and other.linearize == config.linearize
+        assert dataclasses.replace(other.train, seed=1) == train
+    sinks = load_experiment(os.path.join(ROOT, "configs", "claims", "liger-gla-code-w56-s8.toml"))
+    assert sinks.linearize == dataclasses.replace(config.linearize, window=56, sinks=8) and sinks.train == train
 
 
 def write_liger_cases(root: str):
