@@ -127,6 +127,27 @@ def test_the_claim_is_judged_for_the_run_trained_with_retention_too(grid):
     assert "training-free 0.70, not reached; trained 0.85, reached" in text
 
 
+def test_trained_and_training_free_are_compared_prompt_by_prompt(grid):
+    """The claim's cell read trained and training-free on the same prompts: McNemar's exact test on the
+    prompts one answers and the other misses (17 against 13 of 20, 5 and 1 discordant: p = 0.22)."""
+    trained = f"trained-recall-block8-{grid.CLAIM_BUDGET}-niah1-{grid.CLAIM_LENGTH}"
+    free = f"final-recall-block8-{grid.CLAIM_BUDGET}-niah1-{grid.CLAIM_LENGTH}"
+    write_cell(grid, trained, 17)  # samples 0-16 answered
+    path = next(c for c in grid.grid() if c.name == free).path
+    write_cell(grid, free, 13)
+    with open(path) as f:  # answered: 0-11 and 19; so 12-16 by the trained only, 19 by the untrained only
+        cell = json.load(f)
+    cell["samples"][12]["score"], cell["samples"][19]["score"] = 0.0, 1.0
+    with open(path, "w") as f:
+        json.dump(cell, f)
+    cells = grid.claim_cells()
+    text = grid.paired_samples_text("trained", cells["trained"], "untrained", cells["blocks"])
+    assert text.endswith("5 answered by the first only, 1 by the second only; McNemar's exact p = 0.22 "
+                         "(not shown to differ)")
+    assert grid.paired_samples_text("trained", cells["trained"], "untrained", cells["retention"]) is None  # not run
+    assert "McNemar's exact p = 0.22" in grid.report_text()
+
+
 def test_missing_or_mismatched_cells_are_not_run_and_leave_the_claim_undecided(grid):
     text = grid.report_text()
     assert "- training-free: **undecided (not run)**" in text and "0 of 117 cells written" in text
