@@ -315,3 +315,15 @@ def test_lambada_scores_each_reading_and_goes_on_where_it_stopped(grid, monkeypa
     for r in grid.READINGS:
         data = read(grid.lambada_path(r))
         assert data["complete"] and data["examples"][:3] == first[r]["examples"] and len(data["examples"]) == 5
+
+
+def test_the_fresh_cells_are_the_headline_cells_on_another_seed_with_more_prompts(grid):
+    cells = grid.fresh_grid()
+    assert len(cells) == 12 and {c.seed for c in cells} == {grid.FRESH_SEED} != {grid.SEED}
+    assert {c.name for c in cells}.isdisjoint(c.name for c in grid.grid())  # their own files
+    cell = cells[1]
+    assert cell.name == "trained-recall-block8-128-niah1-2048-seed1"
+    args = build_parser().parse_args(["eval", *cell.arguments()])
+    assert (args.samples, args.seed) == (grid.FRESH_SAMPLES, grid.FRESH_SEED)
+    assert cell.expected_settings()["samples"] == grid.FRESH_SAMPLES
+    assert "Not run yet: `python experiments/retention.py run --fresh`." in grid.report_text()
