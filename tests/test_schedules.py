@@ -117,6 +117,37 @@ def test_the_validation_set_is_lligers_alpaca_pieces_with_the_prompts_masked(tmp
     assert (pieces[kept] == targets[kept]).all()  # a response token's target is itself
 
 
+def liger_run(tiny_source, tmp_path, name, steps, **train):
+    """The raw config of a tiny Liger-GLA run with validation every step, its best validation kept."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"Document {i}: " + " word" * (20 + 9 * i)}) for i in range(8)))
+    records = [{"instruction": f"Repeat {i}.", "input": "", "output": " word" * (5 + i)} for i in range(12)]
+    (tmp_path / "val.json").write_text(json.dumps(records))
+    return {"run_dir": str(tmp_path / name), "model": {"source": tiny_source},
+            "linearize": dict(mechanism="gla", gate="liger_pooled_key", combine="mixed", window=8, sinks=0,
+                              adapter="lora", lora_alpha=8.0, feature_map="softmax", linear_rope=False,
+                              state_covers_window=True, lora_targets=["q", "k", "v"]),
+            "data": {"paths": [str(corpus)]},
+            "train": dict(steps=steps, seq_len=32, batch_size=1, lr=3e-2, warmup_steps=0, checkpoint_every=2, seed=3,
+                          weight_decay=0.01, grad_clip=0, schedule="plateau", validation=str(tmp_path / "val.json"),
+                          validation_records=12, validate_every=2, keep="best_validation", keep_checkpoints=3,
+                          **train)}
+
+
+def test_a_run_extended_from_its_checkpoint_validates_as_an_uninterrupted_one(tiny_source, tmp_path):
+    from linjax import train
+    from linjax.experiment import from_dict
+
+    train.run(from_dict(liger_run(tiny_source, tmp_path, "whole", 6)), progress=False)
+    train.run(from_dict(liger_run(tiny_source, tmp_path, "parts", 4)), progress=False)
+    train.run(from_dict(liger_run(tiny_source, tmp_path, "parts", 6)), resume=True, progress=False)
+    whole, parts = (json.loads((tmp_path / name / "validation.json").read_text()) for name in ("whole", "parts"))
+    assert [e["step"] for e in parts["evaluations"]] == [2, 4, 6]
+    for a, b in zip(whole["evaluations"], parts["evaluations"]):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert parts["kept"] == whole["kept"]
+
+
 def test_a_run_validates_and_keeps_its_best_validations_parameters(tiny_source, tmp_path):
     """Liger's recipe on a tiny model: the plateau schedule, validation every 2 steps into validation.json, and
     the finished run holds the parameters of the step with the lowest validation loss."""
@@ -128,18 +159,7 @@ def test_a_run_validates_and_keeps_its_best_validations_parameters(tiny_source, 
     from linjax.experiment import from_dict
     from linjax.layers import Trainable
 
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps({"text": f"Document {i}: " + " word" * (20 + 9 * i)}) for i in range(8)))
-    records = [{"instruction": f"Repeat {i}.", "input": "", "output": " word" * (5 + i)} for i in range(12)]
-    (tmp_path / "val.json").write_text(json.dumps(records))
-    raw = {"run_dir": str(tmp_path / "run"), "model": {"source": tiny_source},
-           "linearize": dict(mechanism="gla", gate="liger_pooled_key", combine="mixed", window=8, sinks=0,
-                             adapter="lora", lora_alpha=8.0, feature_map="softmax", linear_rope=False,
-                             state_covers_window=True, lora_targets=["q", "k", "v"]),
-           "data": {"paths": [str(corpus)]},
-           "train": dict(steps=6, seq_len=32, batch_size=1, lr=3e-2, warmup_steps=0, checkpoint_every=2, seed=3,
-                         weight_decay=0.01, grad_clip=0, schedule="plateau", validation=str(tmp_path / "val.json"),
-                         validation_records=12, validate_every=2, keep="best_validation")}
+    raw = liger_run(tiny_source, tmp_path, "run", 6)
     train.run(from_dict(raw), progress=False)
     log = json.loads((tmp_path / "run" / "validation.json").read_text())
     assert [e["step"] for e in log["evaluations"]] == [2, 4, 6] and log["pieces"] >= 2
