@@ -1,251 +1,272 @@
-"""The delta rule's in-chunk work (K1 of gdn.py's `_chunks_then_states`) as one Pallas (Triton)
-kernel, every chunk in parallel, with its gradient from the batched XLA form behind a
-`jax.custom_vjp`.
+"""K1 of the chunked Pallas kernels (chunk_pallas.py): everything inside a chunk that needs no state, for
+every chunk in parallel.
 
-For one chunk of C tokens (gdn.py has the equations), with G_i = Σ_{t≤i} log α_t per channel:
+For a chunk of C tokens (chunk_gates.py has the decays; gdn.py the delta rule's equations):
 
-    A^{qk}_ij = Σ_d q_id k_jd e^{G_id − G_jd}  (j ≤ i, 0 above the diagonal)
-    T = I + Diag(β) tril₋₁(A^{kk}),  W = T⁻¹Diag(β)(K⊙Γ),  Ũ = T⁻¹Diag(β)V,  Γ_i = e^{G_i}
-    Q⊙Γ,  K⊙e^{G_C − G},  and the chunk's decay Γ_C
+    A^{qk}_ij = scale · Σ_d q_id k_jd e^{G_id − G_jd}   (j ≤ i; 0 above the diagonal)
+    q̃ = scale · Q ⊙ Γ,   k̃ = K ⊙ e^{G_C − G},   γ = e^{G_C}       (Γ_i = e^{G_i}, from the chunk start)
+and for the delta rule also
+    A^{kk}_ij = Σ_d k_id k_jd e^{G_id − G_jd}   (j < i),   T = I + Diag(β) A^{kk},   M = T⁻¹
+    W = M Diag(β)(K ⊙ Γ),   Ũ = M Diag(β) V
 
-Grid (chunk, batch × head): one program per chunk, all independent. Inside, the chunk is split
-into sub-chunks of 16 rows (Triton's smallest dot), each loaded from the refs as its own value
-(Triton cannot slice values held in registers) and results stored block by block:
+Two kernels, as FLA splits this work:
 
-- Decays are products of the per-token factors a_t = e^{log α_t} ≤ 1, never e^{G_i − G_j} from a
-  difference of cumulative sums (which loses the small exponents next to a −1000 reset), as in
-  decay.py. Per sub-chunk one loop over its 16 columns j, last to first, carries the decay
-  e^{G_i − G_j} of every row i ≥ j (multiply by a_{j+1}, reset row j to 1): it gives the diagonal
-  16 × 16 blocks of A^{qk} and A^{kk} column by column, the suffix products Π_{t∈(j,end]} a_t and,
-  at the end, the prefix products Π_{t≤i} a_t.
-- Off-diagonal blocks (row sub-chunk I > column sub-chunk J) are dots through the boundary m at the
-  end of J: e^{G_i − G_j} = e^{G_i − G_m} · e^{G_m − G_j}, both factors products ≤ 1.
-- T⁻¹ by forward substitution in blocks, [[P, 0], [X, Q]]⁻¹ = [[P⁻¹, 0], [−Q⁻¹XP⁻¹, Q⁻¹]], with each
-  16 × 16 diagonal inverse by a 16-step row recursion, all in fp32 at full precision.
-- The dots of A's off-diagonal blocks, W and Ũ take operands in `dtype` (bf16 on tensor cores)
-  with fp32 accumulation; fp32 operands run at Precision.HIGHEST (IEEE, not TF32).
-- W, Ũ and K⊙e^{G_C − G}, which only the state pass reads (it takes its operands in `dtype`), are
-  written in `dtype`; A^{qk}, Q⊙Γ and the chunk decay, read by the XLA outputs, in fp32.
+scores    one program per (chunk, batch × head, sub-chunk of 16 rows): the rows' q̃, k̃ and their row
+          block of A^{qk} (and A^{kk}). The diagonal 16 × 16 block goes column by column, a row of k and
+          of the cumulative gate read from the refs (exact decays, no row extraction in registers);
+          each block to its left is one dot through the boundary between the two sub-chunks, in a loop
+          (not unrolled), so few [16, D] tiles are alive at once.
+solve_wy  one program per (chunk, batch × head): M by block forward substitution, row block by row
+          block, M_s = T_ss⁻¹ (E_s − Σ_{l<s} T_sl M_l), each 16 × 16 T_ss⁻¹ as (I − N)(I + N²)(I + N⁴)(I + N⁸)
+          (N its strictly lower part: N¹⁶ = 0), fp32 at full precision; then W and Ũ as M's row blocks
+          times Diag(β)(K ⊙ Γ) and Diag(β) V, a block of 64 columns at a time.
 
-Backward: `jax.vjp` of the XLA function passed as `recompute` (gdn.in_chunk_xla), which computes the
-same outputs: exact gradients of the same function.
+Dots of q, k, v take operands in `dtype` (bf16: tensor cores) with fp32 accumulation. Inputs are read
+in place: q [B,T,H,Dk], k [B,T,Hkv,Dk] and v [B,T,Hkv,Dv] in their dtype (a query head reads its kv
+head: GQA without copies), the sub-chunk cumulative gates b [B,T,H,Dg] (Dg = Dk, or 1 for a scalar
+gate) and β [B,T,H,1] in fp32. T is a multiple of C; Dk and Dv are Triton tiles.
 
-Tested (tests/kernels/test_chunk_intra_pallas.py, interpreted on a CPU): each output against
-gdn.in_chunk_xla at fp32 tolerances for per-channel and scalar gates, hard resets, chunks of 16,
-32 and 64, Dk not a power of two; gdn.pallas with it against gdn.reference (outputs and gradients,
-T not a multiple of 64, GQA); its CUDA lowering as a Triton call, and its dots' precisions.
-
-    in_chunk(q, k, v, log_gate, beta, *, dtype, interpret, recompute)
-        -> (a_qk, w, u_tilde, q_gated, k_out, chunk_decay)
+    intra_chunk(q, k, v, b, beta, *, chunk, scale, dtype, interpret) -> IntraChunk
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from linjax.kernels.pallas_common import pad_axis, tile_size, triton_params
+from linjax.kernels.pallas_common import (F32, SUB, Layout, cols, column_loop, dot, dot_t, identity, operand_type,
+                                          rows, triton_params)
 
-__all__ = ["in_chunk", "SUB"]
-
-_F32 = jnp.float32
-SUB = 16  # rows of a sub-chunk: Triton's smallest dot side
-
-
-def _precision(dtype):
-    """fp32 operands at full precision: Triton would run them as TF32 otherwise."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == _F32 else None
-
-
-def _dot(a, b, dtype):
-    """a @ b with operands in `dtype`, accumulated in fp32."""
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (0,)), ((), ())),
-                           precision=_precision(dtype), preferred_element_type=_F32)
+class IntraChunk(NamedTuple):
+    a_qk: jax.Array  # [B, T, H, C]: row t holds A^{qk} of t's chunk, in `dtype` (fp32 if dtype is)
+    q_gated: jax.Array  # [B, T, H, Dk] dtype: scale · q ⊙ Γ
+    k_gated: jax.Array  # [B, T, H, Dk] dtype: k ⊙ e^{G_C − G}
+    gamma: jax.Array | None  # [B, N, H, Dg] fp32: e^{G_C} (None without a gate)
+    w: jax.Array | None  # [B, T, H, Dk] dtype (the delta rule)
+    u_tilde: jax.Array | None  # [B, T, H, Dv] dtype (the delta rule)
+    inverse: jax.Array | None  # [B, T, H, C] fp32: M = T⁻¹ (the delta rule)
+    a_kk: jax.Array | None  # [B, T, H, C] fp32: A^{kk}, strictly lower (the delta rule)
 
 
-def _dot_t(a, b, dtype):
-    """a @ bᵀ."""
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
-                           precision=_precision(dtype), preferred_element_type=_F32)
+# ------------------------------------------------------------------------------ gate sums
 
 
-def _rows():
-    return lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+class ChunkGates:
+    """The sub-chunk totals B_u (the cumulative gate at each sub-chunk's last row, [1, Dg]) of one chunk,
+    and the sums of log-decays that cross whole sub-chunks. Every sum adds non-positive terms (no
+    cancellation), so e^{sum} is as exact as a product of the factors."""
+
+    def __init__(self, b_ref, n_sub: int):
+        self.b_ref = b_ref
+        self.n_sub = n_sub
+        self.totals = [b_ref[pl.ds(u * SUB + SUB - 1, 1), :].astype(F32) for u in range(n_sub)]
+
+    def total(self, s):
+        """B_s for a sub-chunk index known only at run time."""
+        return self.b_ref[pl.ds(s * SUB + SUB - 1, 1), :].astype(F32)
+
+    def before(self, s):
+        """Σ_{u<s} B_u: the log-decay from the chunk's start to sub-chunk s's start."""
+        return sum(jnp.where(u < s, self.totals[u], 0.0) for u in range(self.n_sub))
+
+    def after(self, s):
+        """Σ_{u>s} B_u: from sub-chunk s's end to the chunk's end."""
+        return sum(jnp.where(u > s, self.totals[u], 0.0) for u in range(self.n_sub))
+
+    def all(self):
+        return sum(self.totals)
+
+    def from_start(self, width_columns=None):
+        """G_i for every row of the chunk, [C, Dg] (or the gate columns `width_columns`)."""
+        columns = slice(None) if width_columns is None else width_columns
+        b = self.b_ref[:, columns].astype(F32)
+        r = rows(self.n_sub * SUB)
+        offset = jnp.zeros(b.shape, F32)
+        for u in range(self.n_sub - 1):
+            total = self.b_ref[pl.ds(u * SUB + SUB - 1, 1), columns].astype(F32)
+            offset = offset + jnp.where(r >= (u + 1) * SUB, total, 0.0)
+        return b + offset
 
 
-def _cols():
-    return lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+# ------------------------------------------------------------------------------ scores
 
 
-def _row(x, i):
-    """Row i of a [SUB, D] value as [1, D], by a masked sum (values in registers cannot be sliced)."""
-    return jnp.sum(jnp.where(_rows() == i, x, 0.0), axis=0, keepdims=True)
+def diagonal_scores(q, k, b, k_ref, b_ref, start, with_kk: bool):
+    """The diagonal 16 × 16 block of A^{qk} (without the scale; j ≤ i) and of A^{kk} (j < i) of the
+    sub-chunk at row `start` of the refs: q, k [16, Dk] and b [16, Dg] (None: no gate) are its rows;
+    column j's key and gate are read from the refs. Decays e^{b_i − b_j} ≤ 1 on the rows that use them."""
+    r, c = rows(SUB), cols(SUB)
+
+    def column(j, carry):
+        a_qk, a_kk = carry
+        key = k_ref[pl.ds(start + j, 1), :].astype(F32)                      # [1, Dk]
+        if b is not None:
+            key = key * jnp.exp(jnp.minimum(b - b_ref[pl.ds(start + j, 1), :].astype(F32), 0.0))
+        a_qk = jnp.where((c == j) & (r >= j), jnp.sum(q * key, axis=1, keepdims=True), a_qk)
+        if with_kk:
+            a_kk = jnp.where((c == j) & (r > j), jnp.sum(k * key, axis=1, keepdims=True), a_kk)
+        return a_qk, a_kk
+
+    zeros = jnp.zeros((SUB, SUB), F32)
+    return lax.fori_loop(0, SUB, column, (zeros, zeros))
 
 
-def _diagonal_block(q, k, a):
-    """One sub-chunk: (A^{qk}, strictly-lower A^{kk}) [SUB, SUB], prefix products Π_{t≤i} a_t,
-    suffix products Π_{t∈(i,end]} a_t [SUB, D], and the sub-chunk's total product [1, D]."""
-    rows, cols = _rows(), _cols()
+def _scores_kernel(*refs, delta: bool, gated: bool, n_sub: int, scale: float, dtype):
+    it = iter(refs)
+    q_ref, k_ref = next(it), next(it)                     # q: the sub-chunk's rows; k: the whole chunk
+    b_ref = next(it) if gated else None                   # the whole chunk
+    a_ref, qg_ref, kg_ref = next(it), next(it), next(it)  # the sub-chunk's rows
+    gamma_ref = next(it) if gated else None
+    akk_ref = next(it) if delta else None
+    s = pl.program_id(2)
+    start = s * SUB
+    q = q_ref[...].astype(F32)
+    k = k_ref[pl.ds(start, SUB), :].astype(F32)
+    gates = ChunkGates(b_ref, n_sub) if gated else None
+    b = b_ref[pl.ds(start, SUB), :].astype(F32) if gated else None
+    if gated:
+        qg_ref[...] = (scale * q * jnp.exp(b + gates.before(s))).astype(qg_ref.dtype)
+        kg_ref[...] = (k * jnp.exp(gates.total(s) - b + gates.after(s))).astype(kg_ref.dtype)
 
-    def column(step, carry):
-        j = SUB - 1 - step
-        decay, suffix, running, a_qk, a_kk = carry
-        # decay held e^{G_i − G_{j+1}} on rows i > j; now e^{G_i − G_j} on rows i ≥ j, 0 above.
-        decay = jnp.where(rows > j, decay * _row(a, j + 1), jnp.where(rows == j, 1.0, 0.0))
-        suffix = jnp.where(rows == j, running, suffix)
-        running = running * _row(a, j)
-        weighted_key = _row(k, j) * decay
-        a_qk = jnp.where(cols == j, jnp.sum(q * weighted_key, axis=1, keepdims=True), a_qk)
-        a_kk = jnp.where((cols == j) & (rows > j), jnp.sum(k * weighted_key, axis=1, keepdims=True), a_kk)
-        return decay, suffix, running, a_qk, a_kk
+        @pl.when(s == 0)
+        def _():
+            gamma_ref[...] = jnp.exp(gates.all()).reshape(gamma_ref.shape)
+    else:
+        qg_ref[...] = (scale * q).astype(qg_ref.dtype)
+        kg_ref[...] = k.astype(kg_ref.dtype)
 
-    zeros = jnp.zeros(q.shape, _F32)
-    square = jnp.zeros((SUB, SUB), _F32)
-    decay, suffix, total, a_qk, a_kk = lax.fori_loop(
-        0, SUB, column, (zeros, zeros, jnp.ones((1, q.shape[1]), _F32), square, square))
-    return a_qk, a_kk, decay * _row(a, 0), suffix, total
+    def put(ref, t, block):
+        ref[:, pl.ds(t * SUB, SUB)] = block.astype(ref.dtype)
 
+    diag_qk, diag_kk = diagonal_scores(q, k, b, k_ref, b_ref, start, delta)
+    put(a_ref, s, scale * diag_qk)
+    if delta:
+        put(akk_ref, s, diag_kk)
+    q_in, k_in = (q * jnp.exp(b), k * jnp.exp(b)) if gated else (q, k)        # e^{b_i}: from s's start
 
-def _unit_lower_inverse(t):
-    """Inverse of a unit lower-triangular [SUB, SUB] block, row by row: M_i = e_i − Σ_{j<i} T_ij M_j."""
-    rows, cols = _rows(), _cols()
-    strict_t = jnp.where(rows > cols, t, 0.0).T                      # column i holds row i of T
+    def left_block(step, crossed):                        # the block of sub-chunk t = s − 1 − step
+        t = s - 1 - step
+        key = k_ref[pl.ds(t * SUB, SUB), :].astype(F32)
+        if gated:                                         # e^{B_t − b_j + Σ_{t<u<s} B_u}: j to s's start
+            b_t = b_ref[pl.ds(t * SUB, SUB), :].astype(F32)
+            total = gates.total(t)
+            key = key * jnp.exp(total - b_t + crossed)
+            crossed = crossed + total
+        put(a_ref, t, scale * dot_t(q_in, key, dtype))
+        if delta:
+            put(akk_ref, t, dot_t(k_in, key, dtype))
+        return crossed
 
-    def row(i, m):
-        t_row = jnp.sum(jnp.where(cols == i, strict_t, 0.0), axis=1, keepdims=True)   # [SUB, 1]: T_ij
-        new = jnp.where(cols == i, 1.0, 0.0) - jnp.sum(t_row * m, axis=0, keepdims=True)
-        return jnp.where(rows == i, new, m)
+    width = b_ref.shape[1] if gated else 1
+    lax.fori_loop(0, s, left_block, jnp.zeros((1, width), F32))
 
-    return lax.fori_loop(0, SUB, row, jnp.zeros((SUB, SUB), _F32))
+    def right_block(t, carry):
+        put(a_ref, t, jnp.zeros((SUB, SUB), F32))
+        if delta:
+            put(akk_ref, t, jnp.zeros((SUB, SUB), F32))
+        return carry
 
-
-def _product(factors):
-    out = factors[0]
-    for f in factors[1:]:
-        out = out * f
-    return out
-
-
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-            a_ref, w_ref, u_ref, qg_ref, kd_ref, decay_ref, *, n_sub, dtype):
-    part = lambda ref, s: ref[pl.ds(s * SUB, SUB), :].astype(_F32)
-    q = [part(q_ref, s) for s in range(n_sub)]
-    k = [part(k_ref, s) for s in range(n_sub)]
-    beta = [beta_ref[pl.ds(s * SUB, SUB)].astype(_F32)[:, None] for s in range(n_sub)]
-    diagonal = [_diagonal_block(q[s], k[s], jnp.exp(part(g_ref, s))) for s in range(n_sub)]
-    a_qk_diag, a_kk_diag, prefix, suffix, total = map(list, zip(*diagonal))
-    ones = jnp.ones_like(total[0])
-    between = lambda lo, hi: _product([ones] + total[lo:hi])           # Π over sub-chunks lo..hi−1
-
-    # Chunk-level decays: Γ from the chunk start, e^{G_C − G} to its end.
-    gamma = [prefix[s] * between(0, s) for s in range(n_sub)]
-    to_end = [suffix[s] * between(s + 1, n_sub) for s in range(n_sub)]
-    decay_ref[...] = between(0, n_sub)
-
-    # A^{qk} and T block by block; off-diagonal blocks through the end of the column sub-chunk.
-    t_blocks = {}
-    for i in range(n_sub):
-        for j in range(n_sub):
-            if j > i:
-                block = jnp.zeros((SUB, SUB), _F32)
-            elif j == i:
-                block = a_qk_diag[i]
-                rows_id = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) == lax.broadcasted_iota(
-                    jnp.int32, (SUB, SUB), 1)
-                t_blocks[i, i] = jnp.where(rows_id, 1.0, 0.0) + beta[i] * a_kk_diag[i]
-            else:
-                into_row = prefix[i] * between(j + 1, i)                   # e^{G_i − G_m}, m = end of j
-                column_keys = k[j] * suffix[j]                           # e^{G_m − G_c} k_c
-                block = _dot_t(q[i] * into_row, column_keys, dtype)
-                t_blocks[i, j] = beta[i] * _dot_t(k[i] * into_row, column_keys, dtype)
-            a_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = block
-
-    # T⁻¹ by block forward substitution: M_ii = T_ii⁻¹, M_ij = −M_ii Σ_{j≤l<i} T_il M_lj.
-    inverse = {}
-    for i in range(n_sub):
-        inverse[i, i] = _unit_lower_inverse(t_blocks[i, i])
-        for j in range(i - 1, -1, -1):
-            acc = _dot(t_blocks[i, j], inverse[j, j], _F32)
-            for l in range(j + 1, i):
-                acc = acc + _dot(t_blocks[i, l], inverse[l, j], _F32)
-            inverse[i, j] = -_dot(inverse[i, i], acc, _F32)
-
-    v = [part(v_ref, s) for s in range(n_sub)]
-    weighted_keys = [beta[s] * k[s] * gamma[s] for s in range(n_sub)]
-    weighted_values = [beta[s] * v[s] for s in range(n_sub)]
-    for i in range(n_sub):
-        w = _dot(inverse[i, 0], weighted_keys[0], dtype)
-        u = _dot(inverse[i, 0], weighted_values[0], dtype)
-        for j in range(1, i + 1):
-            w = w + _dot(inverse[i, j], weighted_keys[j], dtype)
-            u = u + _dot(inverse[i, j], weighted_values[j], dtype)
-        rows = pl.ds(i * SUB, SUB)
-        w_ref[rows, :] = w.astype(w_ref.dtype)
-        u_ref[rows, :] = u.astype(u_ref.dtype)
-        qg_ref[rows, :] = q[i] * gamma[i]
-        kd_ref[rows, :] = (k[i] * to_end[i]).astype(kd_ref.dtype)
+    lax.fori_loop(s + 1, n_sub, right_block, 0)
 
 
-def _forward(q, k, v, log_gate, beta, dtype, interpret):
-    """[N, BH, C, D] inputs (D padded to tiles, the gate per channel) -> the six outputs."""
-    N, BH, C, Dk = q.shape
+# ------------------------------------------------------------------------------ solve and W, Ũ
+
+
+def unit_lower_inverse(t, exact=F32):
+    """Inverse of a unit lower-triangular [16, 16] block: with N = T − I strictly lower (N¹⁶ = 0),
+    (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸). Seven fp32 dots (`exact`: their operand_type), no
+    row-by-row recursion."""
+    eye = identity(SUB)
+    n = t - eye
+    n2 = dot(n, n, exact)
+    n4 = dot(n2, n2, exact)
+    n8 = dot(n4, n4, exact)
+    return dot(dot(dot(eye - n, eye + n2, exact), eye + n4, exact), eye + n8, exact)
+
+
+def _solve_wy_kernel(k_ref, v_ref, b_ref, beta_ref, akk_ref, w_ref, u_ref, m_ref, *, n_sub: int, dtype, exact):
+    C = n_sub * SUB
+    beta = [beta_ref[pl.ds(s * SUB, SUB), :].astype(F32) for s in range(n_sub)]   # [16, 1]
+    inverse_rows = []                                     # M's row blocks [16, C]
+    for s in range(n_sub):
+        rhs = jnp.where(cols(C, SUB) == rows(SUB, C) + s * SUB, 1.0, 0.0)       # E_s
+        for l in range(s):
+            t_sl = beta[s] * akk_ref[pl.ds(s * SUB, SUB), pl.ds(l * SUB, SUB)]
+            rhs = rhs - dot(t_sl, inverse_rows[l], exact)
+        t_ss = identity(SUB) + beta[s] * akk_ref[pl.ds(s * SUB, SUB), pl.ds(s * SUB, SUB)]
+        inverse_rows.append(dot(unit_lower_inverse(t_ss, exact), rhs, exact))
+        m_ref[pl.ds(s * SUB, SUB), :] = inverse_rows[-1]
+    beta_all = beta_ref[...].astype(F32)                  # [C, 1]
+    gates = ChunkGates(b_ref, n_sub)
+    scalar_gate = b_ref.shape[1] == 1
+
+    def w_block(columns, carry):
+        gamma = jnp.exp(gates.from_start(pl.ds(0, 1) if scalar_gate else columns))
+        weighted = beta_all * k_ref[:, columns].astype(F32) * gamma
+        for s in range(n_sub):
+            w_ref[pl.ds(s * SUB, SUB), columns] = dot(inverse_rows[s], weighted, dtype).astype(w_ref.dtype)
+        return carry
+
+    def u_block(columns, carry):
+        weighted = beta_all * v_ref[:, columns].astype(F32)
+        for s in range(n_sub):
+            u_ref[pl.ds(s * SUB, SUB), columns] = dot(inverse_rows[s], weighted, dtype).astype(u_ref.dtype)
+        return carry
+
+    column_loop(k_ref.shape[1], w_block, 0, dtype)
+    column_loop(v_ref.shape[1], u_block, 0, dtype)
+
+
+# ------------------------------------------------------------------------------ both
+
+
+def intra_chunk(q, k, v, b, beta, *, chunk: int, scale: float, dtype, interpret: bool) -> IntraChunk:
+    """K1 for all chunks. q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv] (None: no delta rule), b [B,T,H,Dg]
+    sub-chunk cumulative gates (None: no decay; the delta rule needs one), beta [B,T,H,1] (with v)."""
+    B, T, H, Dk = q.shape
+    Hkv = k.shape[2]
+    C, N, n_sub = chunk, T // chunk, chunk // SUB
+    delta, gated = beta is not None, b is not None
+    layout = Layout(H, Hkv, C)
+    dtype = jnp.dtype(dtype)
+    a_dtype = F32 if dtype == F32 else dtype
+    ops = operand_type(dtype, interpret)
+    rows_of = functools.partial(layout.sub_chunk, axes="nbs")
+    chunk_of = functools.partial(layout.tokens, axes="nbs")
+    inputs, in_specs = [q, k], [rows_of(Dk), chunk_of(Dk, kv=True)]
+    if gated:
+        inputs.append(b)
+        in_specs.append(chunk_of(b.shape[-1]))
+    shapes = [((B, T, H, C), a_dtype, rows_of(C)), ((B, T, H, Dk), dtype, rows_of(Dk)),
+              ((B, T, H, Dk), dtype, rows_of(Dk))]
+    if gated:
+        shapes.append(((B, N, H, b.shape[-1]), F32, layout.per_chunk(b.shape[-1], axes="nbs")))
+    if delta:
+        shapes.append(((B, T, H, C), F32, rows_of(C)))
+    out = pl.pallas_call(
+        functools.partial(_scores_kernel, delta=delta, gated=gated, n_sub=n_sub, scale=scale, dtype=ops),
+        out_shape=[jax.ShapeDtypeStruct(shape, dt) for shape, dt, _ in shapes], grid=(N, B * H, n_sub),
+        in_specs=in_specs, out_specs=[spec for _, _, spec in shapes], compiler_params=triton_params(),
+        interpret=interpret, name="linjax_chunk_scores",
+    )(*inputs)
+    a_qk, q_gated, k_gated = out[:3]
+    gamma = out[3] if gated else None
+    if not delta:
+        return IntraChunk(a_qk, q_gated, k_gated, gamma, None, None, None, None)
+    a_kk = out[-1]
     Dv = v.shape[-1]
-    sq = pl.squeezed
-    spec = lambda *tail: pl.BlockSpec((sq, sq, *tail), lambda n, bh: (n, bh) + (0,) * len(tail))
-    out_shape = [jax.ShapeDtypeStruct((N, BH, C, C), _F32), jax.ShapeDtypeStruct((N, BH, C, Dk), dtype),
-                 jax.ShapeDtypeStruct((N, BH, C, Dv), dtype), jax.ShapeDtypeStruct((N, BH, C, Dk), _F32),
-                 jax.ShapeDtypeStruct((N, BH, C, Dk), dtype), jax.ShapeDtypeStruct((N, BH, 1, Dk), _F32)]
-    return pl.pallas_call(
-        functools.partial(_kernel, n_sub=C // SUB, dtype=dtype),
-        out_shape=out_shape, grid=(N, BH),
-        in_specs=[spec(C, Dk), spec(C, Dk), spec(C, Dv), spec(C, Dk), spec(C)],
-        out_specs=[spec(C, C), spec(C, Dk), spec(C, Dv), spec(C, Dk), spec(C, Dk), spec(1, Dk)],
-        compiler_params=triton_params(), interpret=interpret, name="linjax_gdn_in_chunk_fwd",
-    )(q, k, v, log_gate, beta)
-
-
-def _run(q, k, v, log_gate, beta, dtype, interpret):
-    """Pads, flattens batch × head, runs the kernel and restores [N, B, H, C, ...] shapes."""
-    N, B, H, C, Dk = q.shape
-    Dv = v.shape[-1]
-    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
-    flat = lambda x, width: pad_axis(x, x.ndim - 1, width).reshape(N, B * H, C, width)
-    a_qk, w, u, qg, kd, chunk_decay = _forward(
-        flat(q, Dkp), flat(k, Dkp), flat(v, Dvp), flat(log_gate, Dkp), beta.reshape(N, B * H, C),
-        dtype, interpret)
-    back = lambda x, width: x.reshape(N, B, H, x.shape[-2], x.shape[-1])[..., :width]
-    return (back(a_qk, C), back(w, Dk), back(u, Dv), back(qg, Dk), back(kd, Dk),
-            back(chunk_decay, Dk)[..., 0, :])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _in_chunk(q, k, v, log_gate, beta, dtype, interpret, recompute):
-    return _run(q, k, v, log_gate, beta, dtype, interpret)
-
-
-def _in_chunk_forward(q, k, v, log_gate, beta, dtype, interpret, recompute):
-    return _run(q, k, v, log_gate, beta, dtype, interpret), (q, k, v, log_gate, beta)
-
-
-def _in_chunk_backward(dtype, interpret, recompute, inputs, cotangents):
-    return jax.vjp(recompute, *inputs)[1](tuple(c.astype(_F32) for c in cotangents))
-
-
-_in_chunk.defvjp(_in_chunk_forward, _in_chunk_backward)
-
-
-def in_chunk(q, k, v, log_gate, beta, *, dtype, interpret, recompute):
-    """q, k [N, B, H, C, Dk], v [N, B, H, C, Dv], log_gate [N, B, H, C, Dk or 1], beta [N, B, H, C],
-    all fp32; C a multiple of 16. Returns `recompute`'s results (A^{qk} [.., C, C], W, Ũ, Q⊙Γ,
-    K⊙e^{G_C − G} [.., C, D], Γ_C [N, B, H, Dk]) computed by the kernel with dot operands in `dtype`,
-    W, Ũ and K⊙e^{G_C − G} in `dtype` (what the state pass takes), the others fp32; gradients are
-    `recompute`'s."""
-    C = q.shape[-2]
-    if C % SUB:
-        raise ValueError(f"the in-chunk kernel needs a chunk that is a multiple of {SUB}; got {C}")
-    log_gate = jnp.broadcast_to(log_gate, q.shape)
-    return _in_chunk(q, k, v, log_gate, beta, jnp.dtype(dtype), interpret, recompute)
+    on = functools.partial(layout.tokens, axes="nb")
+    w, u_tilde, inverse = pl.pallas_call(
+        functools.partial(_solve_wy_kernel, n_sub=n_sub, dtype=ops, exact=operand_type(F32, interpret)),
+        out_shape=[jax.ShapeDtypeStruct((B, T, H, Dk), dtype), jax.ShapeDtypeStruct((B, T, H, Dv), dtype),
+                   jax.ShapeDtypeStruct((B, T, H, C), F32)], grid=(N, B * H),
+        in_specs=[on(Dk, kv=True), on(Dv, kv=True), on(b.shape[-1]), on(1), on(C)],
+        out_specs=[on(Dk), on(Dv), on(C)], compiler_params=triton_params(), interpret=interpret,
+        name="linjax_chunk_solve_wy",
+    )(k, v, b, beta, a_kk)
+    return IntraChunk(a_qk, q_gated, k_gated, gamma, w, u_tilde, inverse, a_kk)

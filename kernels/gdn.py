@@ -14,8 +14,7 @@ Functions (docs/architecture.md, "Kernel contract"):
     reference  fp32 `lax.scan` over tokens: the spec.
     chunked    chunk-parallel WY/UT form, what training uses; differentiable by autodiff.
     step       one decode token.
-    pallas     `chunked`'s GPU form with its in-chunk work and chunk-state pass as Pallas kernels
-               (chunk_intra_pallas.py, chunk_states_pallas.py).
+    pallas     FLA's decomposition as Pallas (Triton) kernels, forward and backward (chunk_pallas.py).
 All return (o [B,T,H,Dv] in v's dtype, final_state [B,H,Dk,Dv] fp32).
 """
 
@@ -26,10 +25,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import chunk_intra_pallas, chunk_states, chunk_states_pallas, decay, scaling
+from linjax.kernels import chunk_pallas, chunk_states, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
+from linjax.kernels.pallas_common import check_pallas_chunk
 
 __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "GPU_CHUNK", "PALLAS_CHUNK"]
 
@@ -170,7 +169,7 @@ def _chunk_scan(q32, k32, v32, la, beta32, S0, *, chunk):
 #   (K1) the decays, A^{qk}, T⁻¹, W = T⁻¹Diag(β)(K⊙Γ), Ũ = T⁻¹Diag(β)V, Q⊙Γ and K⊙e^{G_C − G};
 #   (K2) one pass over the chunks carrying only the state, two matmuls a chunk (chunk_states.py);
 #   (K3) every chunk's outputs o = (Q⊙Γ) S_n + A^{qk} U_n from the states K2 returns.
-# `pallas` runs K1 and K2 as Pallas kernels (chunk_intra_pallas.py, chunk_states_pallas.py), K3 as here.
+# `pallas` runs the same three steps, and their backward, as Pallas kernels (chunk_pallas.py).
 GPU_CHUNK = 64
 
 
@@ -198,27 +197,25 @@ def _chunks_then_states(q32, k32, v32, la, beta32, S0, *, chunk, state_pass, in_
 
 # ------------------------------------------------------------------ Pallas (GPU)
 
-IN_CHUNK_FORMS = ("pallas", "xla")
 
-
-def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None,
-           intra="pallas"):
-    """`chunked` in FLA's decomposition with Pallas (Triton) kernels; same arguments and results
-    (per-channel or scalar gate). The in-chunk work (K1) is chunk_intra_pallas.py's kernel
-    (intra="pallas", gradients through `in_chunk_xla`) or `in_chunk_xla`'s batched XLA operations
-    (intra="xla"); the state pass (K2) and its reverse are chunk_states_pallas.py; the outputs (K3)
-    are batched XLA. Dot operands are in v's dtype. `chunk`: a power of two ≥ 16.
-    interpret=None runs the Pallas interpreter when the default backend is CPU."""
+def pallas(q, k, v, log_alpha, beta, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
+    """`chunked` as FLA's decomposition in Pallas (Triton) kernels, forward and backward
+    (chunk_pallas.py); same arguments and results, per-channel or scalar gate. Dot operands are in
+    v's dtype with fp32 accumulation. `chunk`: a power of two ≥ 16. interpret=None: compiled where the
+    program is lowered for a GPU, interpreted on a CPU."""
     check_pallas_chunk(chunk)
-    if intra not in IN_CHUNK_FORMS:
-        raise ValueError(f"intra must be one of {IN_CHUNK_FORMS}; got {intra!r}")
-    if q.shape[1] == 0:
+    B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
+    if T == 0:
         raise ValueError("sequence length T must be at least 1")
-    q32, k32, v32, la, beta32, S0, scale = _prepare(q, k, v, log_alpha, beta, initial_state, scale)
-    interpret = default_interpret(interpret)
-    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype, interpret=interpret)
-    in_chunk = in_chunk_xla if intra == "xla" else functools.partial(
-        chunk_intra_pallas.in_chunk, dtype=v.dtype, interpret=interpret, recompute=in_chunk_xla)
-    o, S_final = _chunks_then_states(q32, k32, v32, la, beta32, S0, chunk=chunk, state_pass=state_pass,
-                                     in_chunk=in_chunk, min_chunk=PALLAS_MIN_CHUNK)
-    return (o * scale).astype(v.dtype), S_final
+    heads = q.shape[:-1]
+    if log_alpha.shape == q.shape:
+        gate = log_alpha
+    elif log_alpha.shape == heads:
+        gate = log_alpha[..., None]
+    else:
+        raise ValueError(f"log_alpha must be {q.shape} (per channel) or {heads} (scalar per head); "
+                         f"got {log_alpha.shape}")
+    check_shape(beta, heads, "beta")
+    state = initial_state_or_zeros(initial_state, (B, H, Dk, Dv))
+    return chunk_pallas.chunk_attention(q, k, v, gate, beta, state, scale=default_scale(scale, Dk), chunk=chunk,
+                                        interpret=interpret)

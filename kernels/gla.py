@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from linjax.kernels import chunk_states, chunk_states_pallas, decay, scaling
+from linjax.kernels import chunk_pallas, chunk_states, decay, scaling
 from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
-from linjax.kernels.pallas_common import PALLAS_MIN_CHUNK, check_pallas_chunk, default_interpret
+from linjax.kernels.pallas_common import check_pallas_chunk
 
 # Default chunk of `chunked` on a CPU (a power of two): 32 had the faster forward (results/bench/HISTORY.md).
 CHUNK = 32
@@ -190,21 +190,16 @@ def chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=None):
 
 
 def pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None):
-    """`chunked` in FLA's decomposition with the chunk-state pass as Pallas (Triton) kernels; same
-    arguments and results. The in-chunk work and the outputs are `_chunks_then_states`' batched XLA
-    operations; the state pass and its reverse are chunk_states_pallas.py, with dot operands in v's
-    dtype. `chunk`: a power of two ≥ 16. interpret=None runs the Pallas interpreter when the default
-    backend is CPU."""
+    """`chunked` as FLA's decomposition in Pallas (Triton) kernels, forward and backward
+    (chunk_pallas.py); same arguments and results. `log_alpha` None: no decay (linear_attn.py). Dot
+    operands are in v's dtype with fp32 accumulation. `chunk`: a power of two ≥ 16. interpret=None:
+    compiled where the program is lowered for a GPU, interpreted on a CPU."""
     check_pallas_chunk(chunk)
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
-    check_shape(log_alpha, (B, T, H, Dk), "log_alpha")
+    if log_alpha is not None:
+        check_shape(log_alpha, (B, T, H, Dk), "log_alpha")
     if T == 0:
         raise ValueError("sequence length T must be at least 1")
-    f32 = lambda x: x.astype(jnp.float32)
-    state_pass = functools.partial(chunk_states_pallas.state_pass, dtype=v.dtype,
-                                   interpret=default_interpret(interpret))
-    o, state = _chunks_then_states(f32(q) * default_scale(scale, Dk), f32(expand_kv_heads(k, H)),
-                                   f32(expand_kv_heads(v, H)), f32(log_alpha),
-                                   initial_state_or_zeros(initial_state, (B, H, Dk, Dv)), chunk=chunk,
-                                   state_pass=state_pass, min_chunk=PALLAS_MIN_CHUNK)
-    return o.astype(v.dtype), state
+    state = initial_state_or_zeros(initial_state, (B, H, Dk, Dv))
+    return chunk_pallas.chunk_attention(q, k, v, log_alpha, None, state, scale=default_scale(scale, Dk), chunk=chunk,
+                                        interpret=interpret)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from linjax.kernels import gla
+from linjax.kernels import chunk_pallas, gla
 from linjax.kernels.contract import (as_token_batch, check_qkv, default_scale, expand_kv_heads,
                                      initial_state_or_zeros)
 
@@ -96,11 +96,15 @@ def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
 
 def pallas(q, k, v, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK, normalize=True, eps=1e-10,
            interpret=None):
-    """`chunked` with the GLA Pallas kernel on zero gates and [v, 1] (gla.pallas; its backward
-    is GLA's Pallas backward kernels). Run in fp32 so the normaliser is not rounded to v's dtype."""
+    """`chunked` with the numerator from the chunked Pallas kernels without a decay (chunk_pallas.py,
+    forward and backward; dot operands in v's dtype, the numerator in fp32) and the normaliser carried as its own state: scale · qᵀz_t with z_t = z_0 + Σ_{i≤t} k_i,
+    a cumulative sum in fp32 (so neither is rounded to v's dtype, nor padded to a value column)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
-    f32 = lambda x: x.astype(jnp.float32)
-    no_decay = jnp.zeros((B, T, H, Dk), jnp.float32)
-    out, state = gla.pallas(f32(q), k, _append_ones(f32(v)), no_decay, scale=scale,
-                            initial_state=initial_state, chunk=chunk, interpret=interpret)
-    return _finish(out, v.dtype, normalize, eps), state
+    state = initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))
+    scale = default_scale(scale, Dk)
+    numerator, S = chunk_pallas.chunk_attention(q, k, v, None, None, state[..., :Dv], scale=scale, chunk=chunk,
+                                                out_dtype=jnp.float32, interpret=interpret)
+    k_sums = jnp.cumsum(expand_kv_heads(k, H).astype(jnp.float32), axis=1) + state[:, None, :, :, Dv]  # z_t
+    normaliser = scale * jnp.einsum("bthd,bthd->bth", q.astype(jnp.float32), k_sums)
+    out = jnp.concatenate([numerator, normaliser[..., None]], axis=-1)
+    return _finish(out, v.dtype, normalize, eps), jnp.concatenate([S, k_sums[:, -1, :, :, None]], axis=-1)

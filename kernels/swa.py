@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from linjax.kernels import scaling, swa_pallas
 from linjax.kernels.contract import as_token_batch, check_qkv, default_scale
-from linjax.kernels.pallas_common import default_interpret
+from linjax.kernels.pallas_common import by_platform
 
 # Default query block of `chunked`, `prefill` and `pallas`. A block attends to itself and the
 # ⌈window / chunk⌉ blocks before it, so with the paper's budget (window 56 or 64) a 64-query block
@@ -356,11 +356,13 @@ def pallas(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None, inter
     same arguments and SoftmaxParts, differentiable in all three parts (`jax.custom_vjp` with
     backward kernels of the same block-sparse shape). `chunk` is the kernel's query and key block
     (a power of two ≥ 16). bf16 inputs: bf16 dots accumulating in fp32; fp32 inputs: IEEE fp32
-    dots. interpret=None runs the Pallas interpreter when the default backend is CPU. Continuing
+    dots. interpret=None: compiled where the program is lowered for a GPU, interpreted on a CPU. Continuing
     after a `cache` (prefill) is not in the kernel: use `chunked` or `prefill` for that."""
     if cache is not None:
         raise NotImplementedError("swa.pallas attends from position 0 only; for a prefill after a "
                                   "cache use swa.prefill / swa.chunked(..., cache=cache)")
     _check_budget(sinks, window)
-    return SoftmaxParts(*swa_pallas.softmax_parts(q, k, v, sinks=sinks, window=window, scale=scale, block=chunk,
-                                                  interpret=default_interpret(interpret)))
+    def run(q, k, v, *, interpret):
+        return swa_pallas.softmax_parts(q, k, v, sinks=sinks, window=window, scale=scale, block=chunk,
+                                        interpret=interpret)
+    return SoftmaxParts(*by_platform(run, q, k, v, interpret=interpret))

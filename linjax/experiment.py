@@ -24,7 +24,7 @@ from typing import Any
 import tomllib
 
 from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig, adapter_parts
-from linjax.platform import has_cuda, resolve_dtype
+from linjax.platform import resolve_dtype, targets_cuda
 
 OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
 # train.trainable: which of the new parameters a run trains; the others keep the values they start with
@@ -189,12 +189,12 @@ class TrainSection:
 
     def remat_policy(self) -> str | None:
         """`CausalLM.remat` for this setting ("auto" resolved for the devices at hand)."""
-        remat = ("full" if has_cuda() else "none") if self.remat == "auto" else self.remat
+        remat = ("full" if targets_cuda() else "none") if self.remat == "auto" else self.remat
         return REMAT_POLICY[remat]
 
     def loss_chunk_size(self) -> int | None:
         """Positions per LM-head piece (None: the whole sequence at once)."""
-        chunk = (GPU_LOSS_CHUNK if has_cuda() else 0) if self.loss_chunk == "auto" else self.loss_chunk
+        chunk = (GPU_LOSS_CHUNK if targets_cuda() else 0) if self.loss_chunk == "auto" else self.loss_chunk
         return chunk or None
 
     def learning_rate(self, adapter: str | None) -> float:

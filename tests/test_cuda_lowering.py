@@ -100,8 +100,9 @@ def test_the_floor_lowered_for_cuda_keeps_no_sequence_square(monkeypatch, dtype)
 def test_the_final_recipe_step_lowered_for_cuda_keeps_no_sequence_square(monkeypatch, kernel):
     here, as_on_gpu = lowered_as_on_a_gpu(monkeypatch, lambda: train_step_program(jnp.bfloat16, kernel))
     assert square_tensors(here, T) == [] and square_tensors(as_on_gpu, T) == []
-    if kernel == "chunked":  # the Pallas kernels are interpreted where the default backend is a CPU
-        assert here == as_on_gpu
+    assert here == as_on_gpu
+    # The Pallas kernels follow the lowering platform: a CUDA lowering made here holds their Triton calls.
+    assert ("__gpu$xla.gpu.triton" in here) == (kernel == "pallas")
 
 
 def test_square_tensors_finds_a_score_matrix():

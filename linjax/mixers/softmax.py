@@ -16,7 +16,7 @@ from linjax.config import ModelConfig
 from linjax.kernels import softmax_blocked
 from linjax.layers import AttentionProjections
 from linjax.mixers.states import KVCache
-from linjax.platform import has_cuda
+from linjax.platform import targets_cuda
 
 HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
@@ -37,10 +37,10 @@ def causal_attention(q, k, v):
 
 
 def _cudnn_takes(q) -> bool:
-    """Whether cuDNN's fused attention accepts q (and exists here: it is traced only on a machine with a
-    CUDA device, since it asks the device for its compute capability while tracing)."""
+    """Whether cuDNN's fused attention accepts q, and the program is built for CUDA (`targets_cuda`:
+    tracing it asks for a CUDA backend's cuDNN, which a CPU-only process building a CPU program lacks)."""
     D = q.shape[-1]
-    return q.dtype in HALF_PRECISION and D % 8 == 0 and D <= 128 and has_cuda()
+    return q.dtype in HALF_PRECISION and D % 8 == 0 and D <= 128 and targets_cuda()
 
 
 def cudnn_attention(q, k, v):

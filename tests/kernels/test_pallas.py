@@ -1,12 +1,10 @@
 """The Pallas kernels (`<mech>.pallas`, run in the Pallas interpreter on CPU)
 against each mechanism's `reference` recurrence: outputs, final states and
-gradients. GLA's and GDN's chunk-state pass and its reverse are Pallas kernels
-(chunk_states_pallas.py) inside batched XLA work, checked input by input
-against `jax.grad` through their `chunked` twins at fp32 precision; kGLA and
-linear attention differentiate through GLA's, SWA's backward
-recomputes through `chunked`. The gradient tests against `reference` check
-the custom_vjp plumbing: cotangent routing, GQA head sums, dtypes, a missing
-initial state.
+gradients. GLA, kGLA, GDN and linear attention run chunk_pallas.py (forward
+and backward kernels), checked input by input against `jax.grad` through
+their `chunked` twins at fp32 precision; its state passes are also checked
+alone. The gradient tests against `reference` check the custom_vjp plumbing:
+cotangent routing, GQA head sums, dtypes, a missing initial state.
 
 Each kernel shape is its own interpret-mode compile, so instead of the full
 product T ∈ {1, 15, 64, 200} × Hkv ∈ {1, 2, 4} × D ∈ {16, 64} × initial
@@ -235,24 +233,46 @@ def test_kgla_backward_through_the_gla_kernel_matches_chunked():
 
 
 @pytest.mark.parametrize("delta, decay", [(True, "chan"), (False, "scalar"), (False, None)])
-def test_state_pass_kernel_matches_the_scan(delta, decay):
-    """chunk_states_pallas.state_pass against chunk_states.scan: states, new values, final state
-    and the VJP of all three, fp32; three chunks, Dk 24 (padded to 32), Dv 80 (two value blocks)."""
-    N, Bs, Hs, C, Dk, Dv = 3, 1, 2, 16, 24, 80
-    ks = jax.random.split(jax.random.PRNGKey(40), 6)
-    k_out = jax.random.normal(ks[0], (N, Bs, Hs, C, Dk)) / 4
-    values = jax.random.normal(ks[1], (N, Bs, Hs, C, Dv))
-    w = jax.random.normal(ks[2], (N, Bs, Hs, C, Dk)) / 8 if delta else None
-    decays = {"chan": jax.random.uniform(ks[3], (N, Bs, Hs, Dk)), "scalar": jax.random.uniform(ks[3], (N, Bs, Hs, 1)),
-              None: None}[decay]
-    state = jax.random.normal(ks[4], (Bs, Hs, Dk, Dv))
-    kernel = lambda *a: chunk_states_pallas.state_pass(*a, dtype=jnp.float32, interpret=True)
-    args = (k_out, values, w, decays, state)
-    got, want = kernel(*args), chunk_states.scan(*args)
-    assert_close(got, want, 1e-5, "state pass")
-    cotangent = jax.tree.map(lambda x: jax.random.normal(ks[5], x.shape), want)
-    grads = lambda fn: jax.vjp(fn, *args)[1](cotangent)
-    assert_close(grads(kernel), jax.jit(lambda: grads(chunk_states.scan))(), 1e-5, "state pass gradient")
+def test_state_passes_match_the_scan(delta, decay):
+    """K2 (chunk_states_pallas.forward_states) against chunk_states.scan: states, new values and final
+    state; and its reverse pass against autodiff of the XLA forward (scan, then o = q̃ S_n + A U_n):
+    ∂L/∂U (∂L/∂values) and ∂L/∂initial state. fp32; three chunks of 16, GQA for the additive rule's
+    values, Dv 64 in value blocks."""
+    N, C, Dk, Dv, Hs = 3, 16, 32, 64, 2
+    T = N * C
+    ks = jax.random.split(jax.random.PRNGKey(40), 9)
+    k_gated = jax.random.normal(ks[0], (1, T, Hs, Dk)) / 4
+    values = jax.random.normal(ks[1], (1, T, Hs if delta else 1, Dv))
+    w = jax.random.normal(ks[2], (1, T, Hs, Dk)) / 8 if delta else None
+    gamma = {"chan": jax.random.uniform(ks[3], (1, N, Hs, Dk)), "scalar": jax.random.uniform(ks[3], (1, N, Hs, 1)),
+             None: None}[decay]
+    state = jax.random.normal(ks[4], (1, Hs, Dk, Dv))
+    q_gated = jax.random.normal(ks[5], (1, T, Hs, Dk)) / 4
+    a_qk = jnp.tril(jax.random.normal(ks[6], (1, N, Hs, C, C))).transpose(0, 1, 3, 2, 4).reshape(1, T, Hs, C)
+
+    def xla(values, state):
+        blocks = lambda x: x.reshape(1, N, C, Hs, x.shape[-1]).transpose(1, 0, 3, 2, 4)  # noqa: E731
+        full = jnp.repeat(values, Hs // values.shape[2], axis=2)
+        g = None if gamma is None else gamma.transpose(1, 0, 2, 3)
+        states, u, final = chunk_states.scan(blocks(k_gated), blocks(full), None if w is None else blocks(w), g, state)
+        o = blocks(q_gated) @ states + blocks(a_qk) @ u
+        tokens = lambda x: x.transpose(1, 0, 3, 2, 4).reshape(1, T, Hs, x.shape[-1])  # noqa: E731
+        return states.transpose(1, 0, 2, 3, 4), tokens(u), final, tokens(o)
+
+    states, u, final = jax.jit(lambda *a: chunk_states_pallas.forward_states(
+        *a, chunk=C, dtype=jnp.float32, interpret=True))(k_gated, values, w, gamma, state)
+    want_states, want_u, want_final, _ = jax.jit(xla)(values, state)
+    assert_close((states, final), (want_states, want_final), 1e-5, "forward state pass")
+    if delta:
+        assert_close(u, want_u, 1e-5, "new values")
+    d_out, d_final = jax.random.normal(ks[7], (1, T, Hs, Dv)), jax.random.normal(ks[8], (1, Hs, Dk, Dv))
+    _, d_u, d_state = jax.jit(lambda *a: chunk_states_pallas.reverse_states(
+        *a, chunk=C, dtype=jnp.float32, interpret=True))(d_out, a_qk, q_gated, k_gated, w, gamma, d_final)
+    want_d_values, want_d_state = jax.jit(lambda: jax.vjp(lambda v, s: xla(v, s)[2:], values, state)[1](
+        (d_final, d_out)))()
+    if not delta:  # per query head, summed over the heads sharing a value head
+        d_u = d_u.reshape(1, T, 1, Hs, Dv).sum(3)
+    assert_close((d_u, d_state), (want_d_values, want_d_state), 1e-5, "reverse state pass")
 
 
 def pallas_call_names(fn, *args):
@@ -320,9 +340,16 @@ def test_swa_backward(sinks, window):
 # ------------------------------------------------------------------ the wrapper
 
 
-def test_interpret_defaults_to_cpu_backend():
-    assert pallas_common.default_interpret(None) == (jax.default_backend() == "cpu")
-    assert pallas_common.default_interpret(False) is False
+def test_the_pallas_form_follows_the_lowering_platform():
+    """interpret=None: a CPU lowering runs the interpreter (no Triton call), a CUDA lowering made on this
+    CPU machine holds the Triton kernels; True / False force one."""
+    q, k, v, log_alpha, beta, _ = make_inputs(21, 15, 2, 16, False, "float32", unit_keys=True)
+    lowered = lambda platform, **kw: jax.jit(lambda *a: gdn.pallas(*a, **kw)).trace(  # noqa: E731
+        q, k, v, log_alpha, beta).lower(lowering_platforms=(platform,)).as_text()
+    assert "triton" not in lowered("cpu")
+    assert "__gpu$xla.gpu.triton" in lowered("cuda")
+    assert "triton" not in lowered("cuda", interpret=True)
+    assert pallas_common.by_platform(lambda x, interpret: interpret, 0.0, interpret=False) is False
 
 
 def test_bad_inputs_raise_readable_errors():

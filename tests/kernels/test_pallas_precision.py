@@ -4,7 +4,8 @@ Triton lowers a dot at the default precision on fp32 operands to TF32 (10-bit ma
 is what a GPU would silently run where a kernel meant fp32. So, for each kernel's forward and
 backward as a GPU traces them (interpret=False), in fp32 and bf16:
 - every dot accumulates in fp32 (fp32 result type);
-- every dot whose operands are fp32 asks for full precision (Precision.HIGHEST), not TF32.
+- every dot whose operands are fp32 asks for fp32's accuracy: IEEE fp32 (Precision.HIGHEST) or
+  three TF32 products (DotAlgorithmPreset.TF32_TF32_F32_X3), never one TF32 pass.
 bf16 operands (bf16 inputs fed to the tensor cores) are allowed by these checks.
 """
 
@@ -61,6 +62,7 @@ def test_kernel_dots_accumulate_in_fp32_at_full_precision(mech, dtype):
     dots = kernel_dots(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(args)))))(*args))
     assert dots, f"no dot product found in the {mech} kernels"
     assert [d for d in dots if d[2] != "float32"] == [], "dots that do not accumulate in fp32"
-    below_full = [d for d in dots if "float32" in d[0] and d[1] not in
-                  (jax.lax.Precision.HIGHEST, (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST))]
+    full = (jax.lax.Precision.HIGHEST, (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST),
+            jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    below_full = [d for d in dots if "float32" in d[0] and d[1] not in full]
     assert below_full == [], "fp32 dots at a precision Triton runs as TF32"
