@@ -23,6 +23,9 @@ from linjax.linearize import LINEAR_MIXERS, MIXERS
 from tests.helpers import ROOT, relative_rms
 
 FORMS = ("reference", "chunked", "step", "pallas")
+# What a new linear mechanism touches (docs/architecture.md); everything else reads the registry.
+PLACES = ("kernels/<kernel>.py", "linjax/mixers/<name>.py", "convert/modeling_linjax_linear.py",
+          "tests/kernels/test_<kernel>.py")
 WINDOW_KERNELS = {"swa"}  # the sinks + window softmax: four forms, no mechanism of its own
 
 
@@ -98,14 +101,15 @@ def test_every_mechanism_is_in_every_grid():
 
 
 def test_the_places_a_new_mechanism_touches_exist_for_every_mechanism():
-    """docs/architecture.md lists the files a new mechanism touches; each exists for every mechanism
-    in the registry, and the document names each place (so the two cannot drift apart)."""
-    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
-        doc = f.read()
-    section = doc.split("## What a new mechanism touches", 1)[1].split("\n## ", 1)[0]
-    for place in ("kernels/<kernel>.py", "linjax/mixers/<name>.py", "convert/modeling_linjax_linear.py",
-                  "tests/kernels/test_<kernel>.py"):
-        assert place in section, f"docs/architecture.md no longer names {place}"
+    """docs/architecture.md and the README's contributing section list the files a new mechanism
+    touches; each exists for every mechanism in the registry, and both documents name each place
+    (so the list and the code cannot drift apart)."""
+    sections = {"docs/architecture.md": "## What a new mechanism touches", "README.md": "## Contributing"}
+    for path, heading in sections.items():
+        with open(os.path.join(ROOT, path)) as f:
+            section = f.read().split(heading, 1)[1].split("\n## ", 1)[0]
+        for place in PLACES:
+            assert place in section, f"{path} ({heading}) no longer names {place}"
     with open(os.path.join(ROOT, "convert", "modeling_linjax_linear.py")) as f:
         mirror = f.read()
     for name, mixer in LINEAR_MIXERS.items():
