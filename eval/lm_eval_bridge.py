@@ -211,8 +211,9 @@ def is_hf_directory(path: str) -> bool:
 def hf_directory(model_spec: str):
     """An HF directory for the model: itself if it is one (checked against the hashes linjax recorded if
     it wrote it), else a temporary export."""
+    if os.path.isdir(model_spec):
+        verify_output(model_spec)  # first: a damaged config.json is named as damaged
     if is_hf_directory(model_spec):
-        verify_output(model_spec)
         yield model_spec
         return
     model, tokenizer, _ = load_model(model_spec)

@@ -281,7 +281,7 @@ def write_directory(directory: str, fill) -> str:
                 fill(staging)
                 # Written last: the entries linjax may replace, and each file's size and SHA-256 (`integrity`).
                 marker = {"written_by": "linjax", "entries": sorted(os.listdir(staging)),
-                          "files": integrity.record(staging)}
+                          "files": integrity.record(staging, exclude=(EXPORT_MARKER,))}
                 with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
                     json.dump(marker, f, indent=2)
                     f.flush()

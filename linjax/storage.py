@@ -54,12 +54,15 @@ def os_error(err: BaseException) -> OSError | None:
 class _DropStorageFaults(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exception = record.exc_info[1] if record.exc_info else None
-        return not (exception is not None and os_error(exception) is not None)
+        if exception is not None and os_error(exception) is not None:
+            return False
+        return not _ERRNO.search(record.getMessage())
 
 
 def quiet_async_storage_errors() -> None:
-    """Drops asyncio's log of background tasks that failed on a storage fault: the same fault is raised
-    where the save waits for them, and reported there once."""
-    logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DropStorageFaults) for f in logger.filters):
-        logger.addFilter(_DropStorageFaults())
+    """Drops the logs of background work that failed on a storage fault (asyncio's tasks, orbax's save
+    threads through absl): the same fault is raised where the save waits for them, and reported there once."""
+    for name in ("asyncio", "absl"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropStorageFaults) for f in logger.filters):
+            logger.addFilter(_DropStorageFaults())

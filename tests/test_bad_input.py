@@ -81,7 +81,7 @@ def test_impossible_model_config_values_are_one_line(field, value, named, tiny_h
 
 
 def write_gguf(path, *, head_count=2, head_count_kv=1, eos=2, vocab=16):
-    """A complete tiny LLaMA GGUF (1 layer, width 8) with the given metadata."""
+    """A complete tiny LLaMA GGUF (1 layer, width 8) with the given metadata, which linjax loads."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -97,6 +97,7 @@ def write_gguf(path, *, head_count=2, head_count_kv=1, eos=2, vocab=16):
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)  # the tokenizer derives its merges from them
     writer.add_eos_token_id(eos)
     shapes = {"token_embd.weight": (vocab, 8), "output_norm.weight": (8,), "blk.0.attn_q.weight": (8, 8),
               "blk.0.attn_k.weight": (4, 8), "blk.0.attn_v.weight": (4, 8), "blk.0.attn_output.weight": (8, 8),
