@@ -6,6 +6,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 
 import numpy as np
 
@@ -485,7 +486,8 @@ def readme_block(metrics, windows, shares):
                      f"scored, {held} hold, {against} do not hold and {len(verdicts) - held - against} are undecided, "
                      "each judged by its interval over the test text and against the training-seed spread"
                      + (f" ({waiting} more wait for their rows)." if waiting else "."))
-    return "\n".join(lines + ["", " ".join(sentences)])
+    prose = textwrap.fill(" ".join(sentences), width=100, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines + ["", prose])
 
 
 def write_readme_block(block, path=README):
