@@ -346,7 +346,7 @@ def part_train(args, sizes, model_name: str, batch: int, tokens: int, what: str,
             def floor(params, tokens):
                 model = nnx.merge(graphdef, unstack_layers(params))
                 model.remat = settings.remat_policy()
-                embeddings = model.embed_tokens(tokens[:, :-1])
+                embeddings = model.embed_tokens(tokens)
                 return jax.grad(lambda e: embedding_floor_loss(model, e, tokens, settings.loss_chunk_size()))(
                     embeddings)
 

@@ -106,7 +106,8 @@ def chunk_attention(q, k, v, log_gate, beta, initial_state, *, scale: float, chu
     Dv = v.shape[-1]
     C = min(chunk, max(PALLAS_MIN_CHUNK, 1 << max(T - 1, 0).bit_length()))
     Tp = -(-T // C) * C
-    Dkp, Dvp = tile_size(Dk), tile_size(Dv)
+    # Head dims padded to Triton tiles of at least 32: at 16, Triton's layouts for the solve spill registers.
+    Dkp, Dvp = max(32, tile_size(Dk)), max(32, tile_size(Dv))
     dtype = v.dtype
     pad = lambda x, width: pad_axis(pad_axis(x, 1, Tp), 3, width)                  # noqa: E731
     q, k, v = pad(q, Dkp).astype(dtype), pad(k, Dkp).astype(dtype), pad(v, Dvp)

@@ -61,7 +61,7 @@ def floor_program(dtype):
     def floor(params, tokens):
         model = nnx.merge(graphdef, params)
         model.remat = GPU_POLICY["remat"]
-        embeddings = model.embed_tokens(tokens[:, :-1])
+        embeddings = model.embed_tokens(tokens)
         return jax.grad(lambda e: embedding_floor_loss(model, e, tokens, GPU_POLICY["loss_chunk"]))(embeddings)
 
     return jax.jit(floor), (params, jax.ShapeDtypeStruct((1, T), jnp.int32))

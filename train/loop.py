@@ -98,6 +98,12 @@ def trained_parameters(trainable, which: str):
     return selected
 
 
+# XLA:GPU otherwise compiles many matmul fusions as Triton kernels of their own (and, on a card, autotunes
+# each one): a quarter of the final recipe's compile time for an H100 (results/bench/compile-gpu-*/);
+# cuBLAS runs those matmuls instead. Other platforms ignore the option.
+GPU_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
 def make_train_step(graphdef, optimizer, objective: str, mesh, *, remat: str | None = None,
                     loss_chunk: int | None = None, trains=None):
     """A jitted (trainable, opt_state, frozen, batch) → (trainable, opt_state, metrics) step.
@@ -135,7 +141,8 @@ def make_train_step(graphdef, optimizer, objective: str, mesh, *, remat: str | N
         return trainable, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
 
     replicated = sharding.replicated_sharding(mesh)
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated),
+                   compiler_options=GPU_COMPILE_OPTIONS)
 
 
 def place_train_state(model, optimizer, mesh):
@@ -159,6 +166,23 @@ def place_train_state(model, optimizer, mesh):
     frozen = sharding.shard_frozen(stack_layers(sharding.shard_frozen(frozen, mesh), runs), mesh)
     opt_state = sharding.replicate(optimizer.init(trainable), mesh)
     return graphdef, trainable, opt_state, frozen, runs
+
+
+def abstract_train_state(model, optimizer, mesh):
+    """`place_train_state`'s (graphdef, trainable, opt_state, frozen) as ShapeDtypeStructs carrying the
+    shardings it would give on `mesh`, for a model whose arrays may be abstract (`nnx.eval_shape`): the
+    training step then lowers and compiles for `mesh`'s devices without a weight in memory (an 8B model
+    compiled for a GPU on a CPU machine: bench/compile_gpu.py)."""
+    runs = layer_runs(model.layers)
+    graphdef, trainable, frozen = nnx.split(model, Trainable, ...)
+    stacked = lambda state: jax.eval_shape(lambda s: stack_layers(s, runs), state)  # noqa: E731
+    trainable, frozen = stacked(trainable), stacked(frozen)
+    opt_state = jax.eval_shape(optimizer.init, trainable)
+    placed = lambda tree, shardings: jax.tree.map(  # noqa: E731
+        lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree, shardings)
+    everywhere = lambda tree: jax.tree.map(lambda _: sharding.replicated_sharding(mesh), tree)  # noqa: E731
+    return (graphdef, placed(trainable, everywhere(trainable)), placed(opt_state, everywhere(opt_state)),
+            placed(frozen, sharding.frozen_shardings(frozen, mesh)))
 
 
 def _truncate_metrics(path: str, last_step: int):

@@ -21,8 +21,12 @@ from linjax.train.cross_entropy import cross_entropy
 
 
 def next_token_loss(model, tokens: jax.Array, loss_chunk: int | None = None) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32); `loss_chunk` as in `lm_loss`."""
-    return lm_loss(model, model.hidden_states(tokens[:, :-1]), tokens[:, 1:], loss_chunk)
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (fp32); `loss_chunk` as in `lm_loss`.
+
+    The model reads all T tokens and the last position's prediction is dropped: causal, so the loss is
+    the same as from T − 1 tokens, while the kernels see T (a multiple of their chunk at the usual
+    lengths: no padding copies; an even length, which cuDNN's attention needs to train)."""
+    return lm_loss(model, model.hidden_states(tokens)[:, :-1], tokens[:, 1:], loss_chunk)
 
 
 def lm_loss(model, hidden: jax.Array, targets: jax.Array, chunk: int | None = None) -> jax.Array:
@@ -46,12 +50,11 @@ def lm_loss(model, hidden: jax.Array, targets: jax.Array, chunk: int | None = No
 
 
 def embedding_floor_loss(model, embeddings: jax.Array, tokens: jax.Array, loss_chunk: int | None = None):
-    """`next_token_loss` from given input embeddings [B,T-1,d] of tokens[:, :-1]: its gradient with
-    respect to the embeddings, every weight frozen, is the floor any training step of parameters
-    inside the model pays (bench/gpu_check.py, the CUDA-lowering guards)."""
-    positions = token_positions(tokens[:, :-1])
-    x, _ = run_layers(model.layers, embeddings, positions, remat=model.remat)
-    return lm_loss(model, model.norm(x), tokens[:, 1:], loss_chunk)
+    """`next_token_loss` from given input embeddings [B,T,d] of `tokens`: its gradient with respect to the
+    embeddings, every weight frozen, is the floor any training step of parameters inside the model pays
+    (bench/gpu_check.py, the CUDA-lowering guards)."""
+    x, _ = run_layers(model.layers, embeddings, token_positions(tokens), remat=model.remat)
+    return lm_loss(model, model.norm(x[:, :-1]), tokens[:, 1:], loss_chunk)
 
 
 def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:

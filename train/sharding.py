@@ -58,20 +58,25 @@ def weight_spec(shape, fsdp_size: int) -> P:
     return P()
 
 
-def shard_frozen(state, mesh: Mesh):
-    """The frozen weights sharded by `weight_spec`; in a `StackedLayers` state, the layers' stacked
-    weights by the rule for one layer's weight, never along the layer axis (each scan step reads
-    one layer, so a sharded layer axis would move whole layers between devices)."""
+def frozen_shardings(state, mesh: Mesh):
+    """Where each frozen weight of `state` (arrays or ShapeDtypeStructs) lives on `mesh`: sharded by
+    `weight_spec`; in a `StackedLayers` state, the layers' stacked weights by the rule for one layer's
+    weight, never along the layer axis (each scan step reads one layer, so a sharded layer axis would
+    move whole layers between devices). A tree like `state` of NamedShardings."""
     fsdp = mesh.shape["fsdp"]
 
-    def put(x, stacked=False):
-        spec = P(None, *weight_spec(x.shape[1:], fsdp)) if stacked else weight_spec(x.shape, fsdp)
-        return jax.device_put(x, NamedSharding(mesh, spec))
+    def spec(x, stacked=False):
+        return NamedSharding(mesh, P(None, *weight_spec(x.shape[1:], fsdp)) if stacked else weight_spec(x.shape, fsdp))
 
     if isinstance(state, StackedLayers):
-        return dataclasses.replace(state, runs=jax.tree.map(lambda x: put(x, stacked=True), state.runs),
-                                   rest=jax.tree.map(put, state.rest))
-    return jax.tree.map(put, state)
+        return dataclasses.replace(state, runs=jax.tree.map(lambda x: spec(x, stacked=True), state.runs),
+                                   rest=jax.tree.map(spec, state.rest))
+    return jax.tree.map(spec, state)
+
+
+def shard_frozen(state, mesh: Mesh):
+    """The frozen weights placed as `frozen_shardings` says."""
+    return jax.tree.map(jax.device_put, state, frozen_shardings(state, mesh))
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
