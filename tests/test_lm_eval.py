@@ -98,6 +98,7 @@ def test_shared_data_parsed(shared_data):
     assert len(list(mmlu.fewshot_docs())) == 5
 
 
+@pytest.mark.slow  # lm-eval builds every paper task, MMLU's 57 among them
 def test_end_to_end_tiny_all_tasks(tiny_source, shared_data, tmp_path):
     data = _full_data_dir(str(tmp_path / "data"), shared_data)
     out = str(tmp_path / "out")

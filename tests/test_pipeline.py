@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 TEXT = ("Linear attention keeps a state of fixed size. Softmax attention keeps every key. "
         "The window holds the recent tokens exactly, and the sinks hold the first ones. ") * 30
 
@@ -29,6 +31,7 @@ def _command(config):
     return [sys.executable, "-m", "linjax.app.cli", "run", str(config)]
 
 
+@pytest.mark.slow  # whole `linjax run` pipelines in subprocesses
 def test_run_writes_a_report_and_a_restart_skips_finished_stages(tiny_source, tmp_path):
     config = _experiment(tmp_path, tiny_source)
     run_dir = tmp_path / "run"
@@ -67,6 +70,7 @@ PIQA = [{"goal": "To dry wet shoes,", "sol1": "stuff them with newspaper.", "sol
         {"goal": "To open a jar,", "sol1": "twist the lid.", "sol2": "paint the lid."}]
 
 
+@pytest.mark.slow  # a whole `linjax run` pipeline in a subprocess
 def test_lm_eval_and_ruler_stages_compare_with_the_original_and_the_window_baseline(tiny_source, tmp_path):
     benchmarks = tmp_path / "benchmarks"
     (benchmarks / "piqa").mkdir(parents=True)
@@ -104,6 +108,7 @@ assert "jax" not in sys.modules
 """
 
 
+@pytest.mark.slow  # `linjax train` and `linjax export` in subprocesses
 def test_export_cli_writes_a_run_directory_that_torch_loads_without_jax(tiny_source, tmp_path):
     """`linjax export RUN --out DIR` on a finished training run: the PyTorch model gives linjax's logits."""
     import numpy as np
