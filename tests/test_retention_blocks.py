@@ -14,8 +14,7 @@ from flax import nnx
 
 import linjax
 from kernels import retention
-from tests.test_retention import (RETAIN, SINKS, assert_decode_matches, base, gdn_settings,  # noqa: F401 (base: the fixture)
-                                  layer_inputs, run_in_pieces)
+from tests.test_retention import RETAIN, SINKS, assert_decode_matches, base, gdn_settings, layer_inputs, run_in_pieces  # noqa: F401 (base: the fixture)
 
 WINDOW = 4  # one more than test_retention's, so a block of 4 fits
 
