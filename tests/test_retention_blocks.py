@@ -14,7 +14,15 @@ from flax import nnx
 
 import linjax
 from kernels import retention
-from tests.test_retention import RETAIN, SINKS, assert_decode_matches, base, gdn_settings, layer_inputs, run_in_pieces  # noqa: F401 (base: the fixture)
+from tests.test_retention import (
+    RETAIN,
+    SINKS,
+    assert_decode_matches,
+    base,  # noqa: F401 (a fixture, requested by name)
+    gdn_settings,
+    layer_inputs,
+    run_in_pieces,
+)
 
 WINDOW = 4  # one more than test_retention's, so a block of 4 fits
 
