@@ -1,4 +1,4 @@
-"""Every input a user can get wrong ends with one line and exit status 2 (issue 39, item 5): damaged
+"""Every input a user can get wrong ends with one line and exit status 2: damaged
 model files, model configs with impossible values, experiment numbers out of range, flags, and a
 training run whose loss stops being finite."""
 

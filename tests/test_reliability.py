@@ -1,4 +1,4 @@
-"""Reliability (issue 19): no command loses a user's work, and every mistake gets one clear line.
+"""Reliability: no command loses a user's work, and every mistake gets one clear line.
 
 - Outputs: `linjax export`, `convert` and `linearize` replace only a directory linjax wrote as an
   output (it holds `.linjax-export`, listing its entries), never their input nor a run directory,

@@ -1,4 +1,4 @@
-"""A resumed run is the experiment it claims to be (issue 19, item 2): `linjax train --resume` and
+"""A resumed run is the experiment it claims to be: `linjax train --resume` and
 `linjax run` refuse settings that would change a run already under way or a finished stage."""
 
 import dataclasses

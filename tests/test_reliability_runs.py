@@ -1,4 +1,4 @@
-"""Runs, locks, inputs and crashes (issue 39, items 1-4): a finished run is never retrained or rewritten by
+"""Runs, locks, inputs and crashes: a finished run is never retrained or rewritten by
 accident, one writer at a time per output, a run's inputs are fingerprinted and checked, and a kill or a
 signal at any point leaves what the next command recovers."""
 

@@ -1,4 +1,4 @@
-"""Trust (issue 39, item 6): a model directory's own Python runs only when it is linjax's export code or the
+"""Trust: a model directory's own Python runs only when it is linjax's export code or the
 user says so; lm-eval's scores are keyed on the weights and the tokenizer; results are never overwritten
 without --overwrite."""
 
