@@ -1,4 +1,4 @@
-"""Where an S-NIAH needle sits in the retained slots while the prompt is read (issue 37's misses).
+"""Where an S-NIAH needle sits in the retained slots while the prompt is read (the grid's misses).
 
     python experiments/retention_inspect.py SAMPLE|all [--task niah1] [--length 2048] [--run final|trained]
                                          [--force-needle]

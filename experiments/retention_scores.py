@@ -1,4 +1,4 @@
-"""Which retention score tells an S-NIAH needle from its haystack (issue 37): candidate scores screened.
+"""Which retention score tells an S-NIAH needle from its haystack: candidate scores screened.
 
     python experiments/retention_scores.py [--task niah2] [--length 2048] [--prompts 8] [--run final|trained]
 

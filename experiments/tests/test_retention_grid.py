@@ -1,4 +1,4 @@
-"""experiments/retention.py: issue 37's S-NIAH grid, its cell names and commands, and the report's verdicts."""
+"""experiments/retention.py: the retention S-NIAH grid, its cell names and commands, and the report's verdicts."""
 
 import json
 import os
