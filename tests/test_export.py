@@ -1,8 +1,9 @@
 """Export to PyTorch: the exported directory loads in a process without JAX and gives linjax's logits.
 
-Two subprocesses per base model keep this cheap: one (JAX) builds and exports
-every case and saves its tokens and logits, one (PyTorch, which must never
-import JAX) loads every export and prints the max abs logit differences as JSON.
+Two subprocesses for the whole parity grid keep this cheap (test_exports_match_linjax_without_jax):
+one (JAX) builds and exports every case of both base models and of tests/test_export_retention.py
+and saves its tokens and logits, one (PyTorch, tests/pytorch_side.py, which must never import JAX)
+loads every export and returns the max abs logit differences as JSON.
 
 Coverage: every mechanism × adapter (None, shortconv, LoRA with B ≠ 0) × window
 (none, w 64 s 0, w 56 s 8). To keep the number of compiles small, one case is a
@@ -157,67 +158,60 @@ def write_cases(model_type: str, root: str):
         json.dump(manifest, f)
 
 
-# Runs in a fresh interpreter: PyTorch + transformers only.
-TORCH_CHECK = r"""
-import json, os, sys
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM
-
-root = sys.argv[1]
-results = {}
-models = {}
-for case in json.load(open(os.path.join(root, "manifest.json"))):
-    directory = os.path.join(root, case["name"])
-    if case["name"] not in models:
-        models[case["name"]] = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
-                                                                    dtype=torch.float32).eval()
-    model = models[case["name"]]
-    if case["kind"] == "generate":  # greedy, with LinjaxCache and recomputing the prefix
-        data = np.load(os.path.join(root, case["name"] + ".generate.npz"))
-        prompt = torch.tensor(data["prompt"], dtype=torch.long)
-        for use_cache in (True, False):
-            new = data["generated"].shape[1] - prompt.shape[1]
-            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 use_cache=use_cache)
-            results[f"{case['name']}-generate-cache{int(use_cache)}"] = {
-                "match": out.numpy().tolist() == data["generated"].tolist()}
-        continue
-    data = np.load(os.path.join(root, case["name"] + ".npz"))
-    with torch.no_grad():
-        logits = model(torch.tensor(data["tokens"], dtype=torch.long)).logits.float().numpy()
-    results[case["name"]] = {"max_abs": float(np.abs(logits - data["logits"]).max()),
-                             "class": type(model).__name__}
-    if case.get("recurrent"):  # the token-by-token reference form of the linear layers, too
-        for layer in model.model.layers:
-            if hasattr(layer.self_attn, "form"):
-                layer.self_attn.form = "recurrent"
-        with torch.no_grad():
-            logits = model(torch.tensor(data["tokens"], dtype=torch.long)).logits.float().numpy()
-        results[case["name"] + "-recurrent"] = {"max_abs": float(np.abs(logits - data["logits"]).max()),
-                                                "class": type(model).__name__}
-        for layer in model.model.layers:
-            if hasattr(layer.self_attn, "form"):
-                layer.self_attn.form = "auto"
-assert "jax" not in sys.modules, "the PyTorch export imported JAX"
-print(json.dumps(results))
-"""
+# A fresh interpreter's PyTorch check of the exports under sys.argv[1] (tests/test_liger_gla.py).
+TORCH_CHECK = ("import json, sys; from tests.pytorch_side import check_exports, assert_no_jax; "
+               "results = check_exports(sys.argv[1]); assert_no_jax(); print(json.dumps(results))")
 
 
-def _run(args, cwd):
+def _run(args, cwd, timeout=600):
     env = python_environment(TRANSFORMERS_VERBOSITY="error")
-    done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise AssertionError(f"subprocess failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return done.stdout
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_export_matches_linjax_without_jax(model_type, tmp_path):
+MODEL_TYPES = ("llama", "qwen3")
+
+
+def write_all_cases(root: str):
+    """JAX side, one process: every parity case of this file and of tests/test_export_retention.py."""
+    from tests.test_export_retention import write_retention_cases
+
+    for model_type in MODEL_TYPES:
+        os.makedirs(os.path.join(root, model_type))
+        write_cases(model_type, os.path.join(root, model_type))
+    os.makedirs(os.path.join(root, "retention"))
+    write_retention_cases(os.path.join(root, "retention"))
+
+
+@pytest.mark.timeout(2700)  # the whole grid, in two processes
+def test_exports_match_linjax_without_jax(tmp_path):
+    """The parity grid: both base models' cases (below) and the retained-token cases
+    (tests/test_export_retention.py), exported by one JAX process and checked by one PyTorch process.
+    Every part is checked, and every failure reported, before the test fails."""
+    from tests.test_export_retention import check_retention_results
+
     root = str(tmp_path)
-    _run(["-c", f"from tests.test_export import write_cases; write_cases({model_type!r}, {root!r})"], cwd=root)
-    results = json.loads(_run(["-c", TORCH_CHECK, root], cwd=root).strip().splitlines()[-1])
+    _run(["-c", f"from tests.test_export import write_all_cases; write_all_cases({root!r})"], cwd=root, timeout=1500)
+    check = f"import json; from tests.pytorch_side import check_all; print(json.dumps(check_all({root!r})))"
+    results = json.loads(_run(["-c", check], cwd=root, timeout=900).strip().splitlines()[-1])
     print(json.dumps(results, indent=1))
+    parts = {model_type: lambda m=model_type: check_model_results(m, os.path.join(root, m), results[m])
+             for model_type in MODEL_TYPES}
+    parts["retention"] = lambda: check_retention_results(os.path.join(root, "retention"), results["retention"])
+    failures = []
+    for part, check_part in parts.items():
+        try:
+            check_part()
+        except AssertionError as error:
+            failures.append(f"{part}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+def check_model_results(model_type: str, root: str, results: dict):
+    """Every case of `write_cases(model_type)` loaded as the right class, within TOLERANCE of linjax's logits,
+    and generated linjax's greedy tokens with the cache and without it."""
     with open(os.path.join(root, "manifest.json")) as f:
         manifest = json.load(f)
     expected = {case["name"] for case in manifest if case["kind"] != "generate"}

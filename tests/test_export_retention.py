@@ -1,17 +1,21 @@
-"""Export parity with retained tokens (issue 37): the PyTorch mirror keeps the same retained slots as linjax.
+"""Export parity with retained tokens (docs/retention.md): the PyTorch mirror keeps the same retained
+slots as linjax.
 
-As tests/test_export.py: one subprocess (JAX) builds tiny random models with one layer per linear
-mechanism and a last softmax layer, exports them and saves linjax's logits; one (PyTorch, which must
-never import JAX) loads the exports and compares. The budget is sinks 2 + window 4 + retained 3 on
-40 tokens, so 34 tokens leave the window and most of them compete for 3 slots: tokens are admitted,
-evicted into the state and refused. The tiny models have 4 query heads on 2 kv heads (GQA).
+Part of tests/test_export.py's parity grid (test_exports_match_linjax_without_jax): its JAX process
+builds tiny random models with one layer per linear mechanism and a last softmax layer, exports them
+and saves linjax's logits; its PyTorch process (tests/pytorch_side.py, which must never import JAX)
+loads the exports and compares. The budget is
+sinks 2 + window 4 + retained 3 on 40 tokens, so 34 tokens leave the window and most of them compete
+for 3 slots: tokens are admitted, evicted into the state and refused. The tiny models have 4 query
+heads on 2 kv heads (GQA).
 
 Checked per score ("recall" with the short conv, "key_norm" with LoRA merged into the projections;
 recall with the short conv on both paths, and chosen two tokens at a time, `retain_block` 2):
 the full forward against linjax, the same forward token by token with LinjaxCache and as a prefill
 then a chunk then single tokens (each equal to the full forward), greedy generation with the cache
-against recomputing the prefix at every step (so, by the parity, linjax's), and cache shapes that do not grow with the tokens seen. That the retained tokens
-matter at all is checked on the JAX side: the same model with retain = 0 gives other logits.
+against recomputing the prefix at every step (so, by the parity, linjax's), and cache shapes that
+do not grow with the tokens seen. That the retained tokens matter at all is checked on the JAX
+side: the same model with retain = 0 gives other logits.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.test_export import SOFTMAX_LAYER, TOLERANCE, _run, build_case
+from tests.test_export import SOFTMAX_LAYER, TOLERANCE, build_case
 
 SINKS, WINDOW, RETAIN = 2, 4, 3
 SEQUENCE = 40
@@ -53,66 +57,13 @@ def write_retention_cases(root: str):
         linjax.save_hf(model, os.path.join(root, name))
         np.savez(os.path.join(root, name + ".npz"), tokens=tokens, logits=logits,
                  retain_changes=np.abs(logits - without).max())
+    with open(os.path.join(root, "manifest.json"), "w") as f:  # what tests/pytorch_side.py checks
+        json.dump({"retention": list(CASES), "prompt": PROMPT, "new_tokens": NEW_TOKENS}, f)
 
 
-# Runs in a fresh interpreter: PyTorch + transformers only.
-TORCH_CHECK = r"""
-import json, os, sys
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM
-
-root, scores, prompt_length, new_tokens = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
-results = {}
-for score in scores:
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, score), trust_remote_code=True,
-                                                 dtype=torch.float32).eval()
-    data = np.load(os.path.join(root, score + ".npz"))
-    tokens = torch.tensor(data["tokens"], dtype=torch.long)
-    result = {"config": {k: model.config.linearize[k] for k in ("retain", "retain_score", "conv_on_window",
-                                                                "retain_block")}}
-    with torch.no_grad():
-        full = model(tokens).logits
-        result["max_abs"] = float(np.abs(full.numpy() - data["logits"]).max())
-        # Prefill, then a chunk of five, then one token at a time, continuing one LinjaxCache.
-        out = model(tokens[:, :17], use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values  # a LinjaxCache, advanced in place
-        pieces = [out.logits]
-        shapes = lambda: [tuple(x.shape) for layer in cache.layers if getattr(layer, "retained", None) is not None
-                          for value in layer.retained.tensors().values()
-                          for x in (value if isinstance(value, list) else [value])]
-        after_prefill = shapes()
-        pieces.append(model(tokens[:, 17:22], cache=cache, use_cache=True).logits)
-        for t in range(22, tokens.shape[1]):
-            pieces.append(model(tokens[:, t:t + 1], cache=cache, use_cache=True).logits)
-        result["decode_max_abs"] = float((torch.cat(pieces, dim=1) - full).abs().max())
-        result["retained_layers"] = sum(getattr(layer, "retained", None) is not None for layer in cache.layers)
-        result["shapes_fixed"] = bool(after_prefill) and shapes() == after_prefill
-        result["held"] = sorted({int(p) for layer in cache.layers if getattr(layer, "retained", None) is not None
-                                 for p in layer.retained.position.flatten().tolist()})
-        # lm-eval's shared prefixes: one row's cache repeated along the batch, then its continuations.
-        out = model(tokens[:1, :17], use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
-        cache.batch_repeat_interleave(2)
-        rows = model(tokens[[0, 0], 17:], cache=cache, use_cache=True).logits
-        result["repeated_max_abs"] = float((rows - full[:1, 17:]).abs().max())
-    # Greedy generation with LinjaxCache against recomputing the whole prefix (the full forward) every step.
-    generated = [model.generate(tokens[:1, :prompt_length], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, use_cache=use_cache)[0].tolist() for use_cache in (True, False)]
-    result["generate_match"] = generated[0] == generated[1]
-    results[score] = result
-assert "jax" not in sys.modules, "the PyTorch export imported JAX"
-print(json.dumps(results))
-"""
-
-
-def test_export_with_retained_tokens_matches_linjax_without_jax(tmp_path):
-    root = str(tmp_path)
-    _run(["-c", f"from tests.test_export_retention import write_retention_cases; write_retention_cases({root!r})"],
-         cwd=root)
-    results = json.loads(_run(["-c", TORCH_CHECK, root, ",".join(CASES), str(PROMPT), str(NEW_TOKENS)], cwd=root)
-                         .strip().splitlines()[-1])
-    print(json.dumps(results, indent=1))
+def check_retention_results(root: str, results: dict):
+    """The retained-token cases of tests/test_export.py's parity grid (test_exports_match_linjax_without_jax),
+    checked as the module docstring says."""
     for score, (scored_by, _, extra) in CASES.items():
         result = results[score]
         assert result["config"] == {"retain": RETAIN, "retain_score": scored_by,
@@ -140,10 +91,10 @@ def test_the_mirrors_scores_and_softmax_parts_match_linjax_kernels():
     import jax.numpy as jnp
     import torch
 
-    from kernels import retention
-    from kernels.swa import SoftmaxParts
     from linjax.convert import modeling_linjax_retention as mirror
     from linjax.convert.modeling_linjax_cache import RetainedSlots
+    from linjax.kernels import retention
+    from linjax.kernels.swa import SoftmaxParts
 
     rng = np.random.default_rng(0)
     B, N, H, Hkv, D = 2, 3, 4, 2, 8
