@@ -152,7 +152,7 @@ def test_a_special_token_outside_the_gguf_vocabulary_is_one_line(tmp_path):
     ("train.warmup_steps=4", "train.warmup_steps must be in [0, steps=4)"),
     ("train.warmup_steps=-1", "train.warmup_steps must be"),
     ("train.weight_decay=-0.1", "train.weight_decay must be a finite number ≥ 0"),
-    ("train.grad_clip=0", "train.grad_clip must be a finite number > 0"),
+    ("train.grad_clip=-1", "train.grad_clip must be a finite number ≥ 0"),  # 0: no clipping
     ("train.seed=-1", "train.seed must be an integer ≥ 0"),
     ("train.mesh_data=0", "train.mesh_data must be ≥ 1, or -1"),
     ("train.mesh_fsdp=0", "train.mesh_fsdp must be"),

@@ -374,7 +374,7 @@ def run(config, resume: bool = False, progress: bool = True, allow_changed_input
     False, None); `allow_changed_inputs`: resume although the base model, tokenizer or data changed
     since the run recorded them."""
     run_dir = os.path.abspath(config.run_dir)
-    refuse_overlap(run_dir, run_inputs(config), "the run directory", "a run_dir")  # before anything is written
+    refuse_overlap_with_inputs(run_dir, config)  # before anything is written
     with fingerprint.changes_allowed(allow_changed_inputs):
         # A finished run that is what the config asks for needs no writing, so no lock: it answers on a
         # read-only file system too.
@@ -387,14 +387,16 @@ def run(config, resume: bool = False, progress: bool = True, allow_changed_input
             return _run(config, run_dir, resume, progress, load_finished)
 
 
-def run_inputs(config) -> list[tuple[str, str | None]]:
-    """What a run reads, as (what, local path) pairs: a run directory must lie apart from all of them
-    (inside the training data folder, its config.json would be read as training text)."""
+def refuse_overlap_with_inputs(run_dir: str, config) -> None:
+    """A run directory lies apart from what the run reads (inside the training data folder, its config.json
+    would be read as training text), and is not the run it starts from (`train.init_from`)."""
     from linjax.convert.sources import local_path
 
-    return ([("the base model", local_path(config.model.source)),
-             ("the run it starts from (train.init_from)", config.train.init_from)]
-            + [("the training data", path) for path in config.data.paths or ()])
+    inputs = [("the base model", local_path(config.model.source))]
+    inputs += [("the training data", path) for path in config.data.paths or ()]
+    refuse_overlap(run_dir, inputs, "the run directory", "a run_dir")
+    refuse_overlap(run_dir, [("the run it starts from (train.init_from)", config.train.init_from)],
+                   "the run directory", "another run_dir", relations=("is",))
 
 
 def _finished_without_writing(config, run_dir: str) -> bool:

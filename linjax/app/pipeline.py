@@ -32,8 +32,8 @@ from linjax.eval import approx, lm_eval_bridge, ruler
 from linjax.eval.data import data_dir, data_file
 from linjax.eval.perplexity import perplexity, token_windows
 from linjax.eval.report import write_report
-from linjax.files import read_json, refuse_overlap, write_json, writer_lock
-from linjax.train.loop import run_history, run_inputs
+from linjax.files import read_json, write_json, writer_lock
+from linjax.train.loop import refuse_overlap_with_inputs, run_history
 from linjax.experiment import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
@@ -209,7 +209,7 @@ def run(config, *, log=print, watchdog_seconds: float | None = watchdog.DEFAULT_
     tokenizer or training data changed since the run recorded them is refused unless
     `allow_changed_inputs` (`linjax.fingerprint`)."""
     run_dir = os.path.abspath(config.run_dir)
-    refuse_overlap(run_dir, run_inputs(config), "the run directory", "a run_dir")  # before anything is written
+    refuse_overlap_with_inputs(run_dir, config)  # before anything is written
     with fingerprint.changes_allowed(allow_changed_inputs):
         if _all_done(config, run_dir):  # nothing to write, so no lock: it answers on a read-only file system too
             for stage in _wanted(config):
