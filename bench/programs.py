@@ -3,8 +3,9 @@ and the timed check on a card (bench/gpu_check.py): the same functions at the sa
 what the CPU machine predicts can be compared with what the card measures.
 
     MODELS                                   shapes of SmolLM2-135M, Llama-3.1-8B and a tiny model
-    KERNELS                                  mechanism -> how its kernel is called and with what inputs
-    kernel_program(mech, form, B, T, H, D, dtype, backward, key=None) -> (function, arguments)
+    KERNELS                                  every linear mechanism of linjax's registry, and sinks + window
+    kernel_inputs(mech, B, T, H, D, dtype, key=None) -> its kernel's arguments
+    kernel_program(mech, form, backward) -> a function of them
     train_step_program(model, batch, T, what, mesh, *, abstract, ...) -> (jitted step, arguments)
 
 With key=None / abstract=True the arguments are ShapeDtypeStructs (nothing is allocated: an 8B
@@ -36,60 +37,45 @@ FINAL_RECIPE = dict(mechanism="gdn", window=56, sinks=8, adapter="shortconv")
 SINKS, WINDOW = 8, 56
 
 
-def _kernels():
-    from linjax.kernels import gdn, gla, kgla, linear_attn, swa
-
-    def by_form(module, **settings):
-        return lambda *a, form: getattr(module, form)(*a, **settings)
-
-    return {
-        # mechanism: (call(*inputs, form=...), inputs: q k v, then ("gate", per-channel | scalar) / ("beta",))
-        "gdn": (by_form(gdn), ("gate", "beta")),
-        "gdn_scalar": (by_form(gdn), ("scalar_gate", "beta")),
-        "gla": (by_form(gla), ("gate",)),
-        "kgla": (by_form(kgla), ("gate", "beta")),
-        # LoLCATs' form: Hedgehog's positive fp32 features, the numerator unnormalised (the window adds its own)
-        "hedgehog": (by_form(linear_attn, normalize=False), ("features",)),
-        "sinks_window": (lambda *a, form: getattr(swa, form)(*a, sinks=SINKS, window=WINDOW).normalized(), ()),
-    }
+def _linear_mixers():
+    from linjax.linearize import LINEAR_MIXERS
+    return LINEAR_MIXERS
 
 
-KERNELS = ("gdn", "gdn_scalar", "gla", "kgla", "hedgehog", "sinks_window")
+def _kernel_settings(mech: str) -> dict:
+    # Hedgehog as LoLCATs runs it: the numerator unnormalised, for the window's softmax terms to join it.
+    return dict(normalize=False) if mech == "hedgehog" else {}
+
+
+# Every linear mechanism of the registry (a new one is compiled and timed without an edit here), and the
+# sinks + window softmax that every windowed recipe runs beside it.
+KERNELS = (*_linear_mixers(), "sinks_window")
 
 
 def kernel_inputs(mech: str, B: int, T: int, H: int, D: int, dtype, key=None, sharding=None):
-    """The inputs of `mech`'s kernel: q, k, v [B, T, H, D] in `dtype` (Hedgehog's q, k as fp32 positive
-    features), then its gates in fp32 (log α = log σ(z + 3), β = σ(z)). ShapeDtypeStructs (placed by
-    `sharding`, if given) when key is None, random arrays otherwise."""
-    extra = _kernels()[mech][1]
-    shapes = [((B, T, H, D), jnp.float32 if "features" in extra else dtype)] * 2 + [((B, T, H, D), dtype)]
-    for name in extra:
-        if name in ("gate", "scalar_gate"):
-            shapes.append(((B, T, H, D) if name == "gate" else (B, T, H), jnp.float32))
-        elif name == "beta":
-            shapes.append(((B, T, H), jnp.float32))
+    """The inputs of `mech`'s kernel: q, k, v [B, T, H, ·] in `dtype` after the mechanism's feature map, then
+    its gates in fp32, as the mixer registry makes them (`LinearMixer.example_inputs`; sinks + window: q,
+    k, v). ShapeDtypeStructs (placed by `sharding`, if given) when key is None, random arrays otherwise."""
+    if mech == "sinks_window":
+        make = lambda key: tuple(jax.random.normal(k, (B, T, H, D)).astype(dtype)  # noqa: E731
+                                 for k in jax.random.split(key, 3))
+    else:
+        make = lambda key: _linear_mixers()[mech].example_inputs(key, B, T, H, H, D, dtype)  # noqa: E731
     if key is None:
-        return [jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for shape, dt in shapes]
-    keys = jax.random.split(key, len(shapes))
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731  (the mixers' L2 norm)
-    arrays = []
-    for i, ((shape, dt), k) in enumerate(zip(shapes, keys)):
-        z = jax.random.normal(k, shape)
-        if i < 2:
-            arrays.append((jax.nn.softmax(z, -1) if "features" in extra else unit(z)).astype(dt))
-        elif i == 2:
-            arrays.append(z.astype(dt))
-        else:
-            name = extra[i - 3]
-            arrays.append(jax.nn.sigmoid(z) if name == "beta" else jax.nn.log_sigmoid(z + 3.0))
-    return arrays
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.eval_shape(make, jax.random.key(0))]
+    return list(make(key))
 
 
 def kernel_program(mech: str, form: str, backward: bool):
     """(function of the kernel inputs): `mech`'s kernel in `form` ("pallas" or "chunked"), its first
     output; with `backward`, the gradient of that output's sum with respect to every input."""
-    call = _kernels()[mech][0]
-    forward = lambda *a: jax.tree.leaves(call(*a, form=form))[0]  # noqa: E731
+    if mech == "sinks_window":
+        from linjax.kernels import swa
+        call = lambda *a: getattr(swa, form)(*a, sinks=SINKS, window=WINDOW).normalized()  # noqa: E731
+    else:
+        module, settings = _linear_mixers()[mech].kernel_module, _kernel_settings(mech)
+        call = lambda *a: getattr(module, form)(*a, **settings)  # noqa: E731
+    forward = lambda *a: jax.tree.leaves(call(*a))[0]  # noqa: E731
     if not backward:
         return forward
     return lambda *a: jax.grad(lambda *b: jnp.sum(forward(*b).astype(jnp.float32)), argnums=tuple(range(len(a))))(*a)

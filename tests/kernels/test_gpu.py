@@ -11,11 +11,12 @@ machine, `python bench/gpu_check.py` runs them (docs/gpu.md), or alone:
 `test_input_gradients_match_reference` draws fresh inputs each run (the seed is in its
 failure message; LINJAX_GPU_CHECK_SEED fixes it).
 
-The fp32 tolerances assume full-precision dots: inside the Pallas kernels (fp32 operands at
-Precision.HIGHEST in swa_pallas.py and chunk_states_pallas.py), and in the XLA code around them
-and in `reference`, which on a GPU run fp32 dots as TF32 unless told otherwise: every test here
-runs under `jax.default_matmul_precision("highest")` (on the first H100 run, without it, every fp32
-case failed and every bf16 case passed).
+The fp32 tolerances assume dots at about fp32's accuracy: inside the Pallas kernels (fp32 operands as
+TF32×3 in the chunked kernels, chunk_pallas.py, and IEEE fp32 in swa_pallas.py), and in the XLA code
+around them and in `reference`, which on a GPU run fp32 dots as TF32 unless told otherwise: every test
+here runs under `jax.default_matmul_precision("highest")` (on the first H100 run, without it, every fp32
+case failed and every bf16 case passed). The mechanism grids read the mixer registry
+(`linjax.linearize.LINEAR_MIXERS`): a new mechanism's kernels are tested here without an edit.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import linjax
 from linjax.config import tiny_config
 from linjax.kernels import gdn, gla, kgla, linear_attn, swa
 from linjax.model import CausalLM
-from tests.helpers import relative_rms
+from linjax.linearize import LINEAR_MIXERS
+from tests.helpers import linear_mechanisms, relative_rms
 from tests.kernels.test_pallas import (KERNEL_BACKWARD, TOL, assert_close, check_grads_per_input, check_vjp,
                                        gla_gates, make_inputs)
 from tests.test_linearize import tokens_for
@@ -62,21 +64,20 @@ def full_precision_fp32_dots():
 
 def kernel_case(mech, dtype, seed):
     """(Pallas function, reference function, inputs) for one mechanism: T 333 (not a multiple of
-    any chunk), GQA (H 4 over Hkv 2), D 64, an initial state for the recurrent kernels; every 50th
-    step of the GDN case is a hard reset (log α = −1000)."""
-    q, k, v, log_alpha, beta, h0 = make_inputs(seed, 333, 2, 64, True, dtype, unit_keys=mech != "gla")
+    any chunk), GQA (H 4 over Hkv 2), D 64, the registry's inputs and an initial state for the linear
+    kernels; every 50th step of the GDN case is a hard reset (log α = −1000)."""
     up = lambda xs: [x.astype(jnp.float32) if x is not None else None for x in xs]  # noqa: E731
     if mech == "swa":
+        q, k, v, _, _, _ = make_inputs(seed, 333, 2, 64, True, dtype)
         kernel = lambda q, k, v: swa.pallas(q, k, v, sinks=8, window=56, **compiled)  # noqa: E731
         spec = lambda q, k, v: swa.reference(*up((q, k, v)), sinks=8, window=56)  # noqa: E731
         return kernel, spec, (q, k, v)
-    module = {"gla": gla, "kgla": kgla}.get(mech, gdn)
-    if mech == "gla":
-        gates = (log_alpha,)
-    elif mech == "gdn_scalar_gate":
-        gates = (log_alpha[..., 0], beta)
-    else:
-        gates = (log_alpha.at[:, ::50].set(-1000.0) if mech == "gdn" else log_alpha, beta)
+    mixer = LINEAR_MIXERS[mech]
+    q, k, v, *gates = mixer.example_inputs(jax.random.key(seed), 2, 333, 4, 2, 64, jnp.dtype(dtype))
+    if mech == "gdn":
+        gates[0] = gates[0].at[:, ::50].set(-1000.0)
+    module = mixer.kernel_module
+    h0 = jnp.abs(jax.random.normal(jax.random.key(seed + 2), jax.eval_shape(module.reference, q, k, v, *gates)[1].shape))
     n = 3 + len(gates)
     kernel = lambda *a: module.pallas(*a[:n], initial_state=a[n], **compiled)  # noqa: E731
     spec = lambda *a: module.reference(*up(a[:n]), initial_state=a[n])  # noqa: E731
@@ -85,17 +86,18 @@ def kernel_case(mech, dtype, seed):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("mech", ["gla", "gdn", "gdn_scalar_gate", "kgla"])
-def test_gated_kernels_forward(mech, shape, dtype):
-    q, k, v, log_alpha, beta, h0 = make_inputs(21, *shape, dtype, unit_keys=mech != "gla")
-    if mech == "gla":
-        module, gates = gla, (log_alpha,)
-    else:
-        module = kgla if mech == "kgla" else gdn
-        gates = (log_alpha[..., 0] if mech == "gdn_scalar_gate" else log_alpha, beta)
-    name = module.__name__.rsplit(".", 1)[-1]
+@pytest.mark.parametrize("mech", linear_mechanisms())
+def test_linear_kernels_forward(mech, shape, dtype):
+    """Each mechanism's kernel on its registry inputs (its feature map, gates in a trained range)."""
+    T, Hkv, D, with_state = shape
+    mixer = LINEAR_MIXERS[mech]
+    q, k, v, *gates = mixer.example_inputs(jax.random.key(21), 2, T, 4, Hkv, D, jnp.dtype(dtype))
+    state = jax.eval_shape(lambda: mixer.kernel_module.reference(q, k, v, *gates))[1]
+    # Positive, as a state of positive features is (Hedgehog's normaliser must not cross zero).
+    h0 = jnp.abs(jax.random.normal(jax.random.key(22), state.shape)) if with_state else None
+    module = mixer.kernel_module
     assert_close(module.pallas(q, k, v, *gates, initial_state=h0, **compiled),
-                 reference[name](q, k, v, *gates, initial_state=h0), TOL[dtype], mech)
+                 jax.jit(module.reference)(q, k, v, *gates, initial_state=h0), TOL[dtype], mech)
 
 
 @pytest.mark.parametrize("gates", ["spread", "resets"])
@@ -107,13 +109,6 @@ def test_extreme_gates(mech, gates):
     module, args = (gla, (log_alpha,)) if mech == "gla" else (gdn, (log_alpha, beta))
     assert_close(module.pallas(q, k, v, *args, initial_state=h0, **compiled),
                  reference[mech](q, k, v, *args, initial_state=h0), TOL["float32"], mech)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_linear_attn_forward(dtype):
-    q, k, v, _, _, _ = make_inputs(23, 700, 2, 64, False, dtype)
-    q, k = (jax.nn.softmax(x.astype(jnp.float32), -1).astype(dtype) for x in (q, k))
-    assert_close(linear_attn.pallas(q, k, v, **compiled), reference["linear_attn"](q, k, v), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -150,7 +145,7 @@ def test_backward_kernels_match_chunked(mech, case):
     check_grads_per_input(fn(module.pallas, **compiled), fn(module.chunked), (q, k, v, *gates, h0), 28)
 
 
-@pytest.mark.parametrize("mechanism", ["gdn", "gla", "hedgehog"])
+@pytest.mark.parametrize("mechanism", linear_mechanisms())
 def test_linearized_model_on_pallas_matches_chunked(mechanism):
     base = CausalLM(tiny_config("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                 head_dim=64, hidden_size=256), rngs=nnx.Rngs(3))
@@ -163,7 +158,7 @@ def test_linearized_model_on_pallas_matches_chunked(mechanism):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mech", ["gla", "gdn", "gdn_scalar_gate", "kgla", "swa"])
+@pytest.mark.parametrize("mech", [*linear_mechanisms(), "swa"])
 def test_input_gradients_match_reference(mech, dtype):
     """Outputs and the gradient of every input, compiled Pallas against the fp32 reference, on
     fresh random inputs and cotangents."""
