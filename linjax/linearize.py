@@ -31,8 +31,8 @@ def find_mixers() -> dict[str, type]:
 
     Each mechanism's module declares itself (its class's `mechanism` attribute), so adding a
     mechanism needs no edit here. The registry is the one list of mechanisms: LinearizeConfig,
-    the CLI, the export (convert/export.py), the tests' mechanism grids and the benchmarks read it,
-    and a linear mixer brings what they need (`kernel_module`, `fla_kernel`, `example_inputs`).
+    the CLI, the export (convert/export.py) and the tests' mechanism grids read it, and a linear
+    mixer brings what tests and benchmarks need (`kernel_module`, `fla_kernel`, `example_inputs`).
     """
     found = {}
     for module_info in sorted(pkgutil.iter_modules(linjax.mixers.__path__), key=lambda m: m.name):
