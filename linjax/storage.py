@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import re
+import sys
 
 # tensorstore names the operating system's error number and the file it was writing or reading.
 _ERRNO = re.compile(r"os_error_code='?(\d+)")
@@ -59,10 +60,23 @@ class _DropStorageFaults(logging.Filter):
         return not _ERRNO.search(record.getMessage())
 
 
+def _closed_loop(unraisable) -> bool:
+    return isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+
+
 def quiet_async_storage_errors() -> None:
     """Drops the logs of background work that failed on a storage fault (asyncio's tasks, orbax's save
-    threads through absl): the same fault is raised where the save waits for them, and reported there once."""
+    threads through absl): the same fault is raised where the save waits for them, and reported there once.
+    Also tensorstore's completion callbacks of the failed save's other writes, which land on event loops
+    orbax has already closed ("Event loop is closed", reported as unraisable): nothing waits for them."""
     for name in ("asyncio", "absl"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropStorageFaults) for f in logger.filters):
             logger.addFilter(_DropStorageFaults())
+    previous = sys.unraisablehook
+    if getattr(previous, "__name__", "") != "_unless_closed_loop":
+        def _unless_closed_loop(unraisable):
+            if not _closed_loop(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = _unless_closed_loop
