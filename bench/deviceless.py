@@ -206,7 +206,8 @@ def ptxas_usage(log: str) -> dict[str, dict]:
 
 def xla_warnings(log: str) -> list[str]:
     """XLA's warnings (e.g. rematerialization's "Can't reduce memory use below ...": it cannot fit)."""
-    return [re.sub(r"^W\d{4} [\d:.]+\s+\d+ \S+\] ", "", line) for line in log.splitlines() if re.match(r"^W\d{4} ", line)]
+    return [re.sub(r"^W\d{4} [\d:.]+\s+\d+ \S+\] ", "", line) for line in log.splitlines()
+            if re.match(r"^W\d{4} ", line)]
 
 
 def launches(dump_dir: str) -> list[dict]:

@@ -34,6 +34,7 @@ docs/gpu.md and bench/lent_gpu/README.md have the command for the lent GPU machi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.util
 import json
@@ -176,7 +177,7 @@ def part_kernels(args, sizes, T: int):
     programs = _sibling("programs")
     B, H, D = (sizes["kernel_shape"][k] for k in "BHD")
     dtype = jnp.dtype(sizes["dtype"])
-    long = T > sizes["short_T"]
+    long = sizes["short_T"] < T
     on_gpu = jax.default_backend() == "gpu"
     for mech in programs.KERNELS:
         arrays = programs.kernel_inputs(mech, B, T, H, D, dtype, key=jax.random.key(T))
@@ -272,7 +273,8 @@ def part_train(args, sizes, model: str, batch: int, tokens: int, layers: int | N
     settings = TrainSection(steps=100, seq_len=tokens, batch_size=batch, warmup_steps=10)
     total_layers = programs.MODELS[model]["num_hidden_layers"]
     layers = layers or total_layers
-    row = dict(part="train", model=model, what="recipe", batch=batch, T=tokens, layers=layers, total_layers=total_layers,
+    row = dict(part="train", model=model, what="recipe", batch=batch, T=tokens, layers=layers,
+               total_layers=total_layers,
                dtype=ModelSection().dtype, remat=settings.remat, loss_chunk=settings.loss_chunk_size())
     try:
         mesh = sharding.make_mesh()
@@ -305,10 +307,8 @@ def part_train(args, sizes, model: str, batch: int, tokens: int, layers: int | N
         row["projected_paper_run_h"] = PAPER_STEPS * full_step / 3600
     except Exception as error:
         row["error"] = error_text(error)
-    try:
+    with contextlib.suppress(Exception):  # CPU devices have no memory statistics
         row["peak_bytes_in_use"] = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
-    except Exception:  # CPU devices have no memory statistics
-        pass
     append_row(args.out, row)
 
 
@@ -489,7 +489,8 @@ def markdown(data) -> str:
                   "losses | peak GiB (compiled temp GiB) | deviceless compile s / total GiB | 2,500-step run h |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:
-            name = "linjax, final recipe" if r["part"] == "train" else f"PyTorch, {r.get('what', '')} {r.get('dtype', '')}"
+            name = ("linjax, final recipe" if r["part"] == "train"
+                    else f"PyTorch, {r.get('what', '')} {r.get('dtype', '')}")
             aot = compiled_here.get(f"train/{r.get('model')}/recipe/{r.get('batch')}x{r.get('T')}@h100") \
                 if r["part"] == "train" else None
             aot_text = f"{aot['compile_s']:.1f} / {aot['total_bytes'] / 2**30:.1f}" if aot and "compile_s" in aot \
@@ -502,8 +503,9 @@ def markdown(data) -> str:
                          f"{s(r, 'projected_paper_run_h')} |")
     kernels = [r for r in rows if r["part"] in ("kernels", "fla")]
     if kernels:
-        lines += ["", "## Kernels", "", "| mechanism | method | T | forward ms | forward + backward ms | first forward s "
-                  "| first forward + backward s | relative RMS against chunked |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## Kernels", "", "| mechanism | method | T | forward ms | forward + backward ms | "
+                  "first forward s | first forward + backward s | relative RMS against chunked |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in kernels:
             rms = f"{r['relative_rms_vs_chunked']:.1e}" if "relative_rms_vs_chunked" in r else "–"
             lines.append(f"| {r.get('mech', '')} | {r.get('kernel', 'FLA')}{err(r)} | {r.get('T', '')} | "

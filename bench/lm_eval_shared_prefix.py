@@ -32,7 +32,8 @@ def main(argv=None):
     parser.add_argument("--limit", type=float, default=100)
     parser.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
     parser.add_argument("--batch-size", type=int, default=16, help="HFLM's batch size")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "bench", "lm_eval_shared_prefix.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "bench",
+                                                      "lm_eval_shared_prefix.json"))
     args = parser.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     runs = {}

@@ -62,7 +62,8 @@ def kernel_inputs(mech: str, B: int, T: int, H: int, D: int, dtype, key=None, sh
     else:
         make = lambda key: _linear_mixers()[mech].example_inputs(key, B, T, H, H, D, dtype)  # noqa: E731
     if key is None:
-        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.eval_shape(make, jax.random.key(0))]
+        shapes = jax.eval_shape(make, jax.random.key(0))
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in shapes]
     return list(make(key))
 
 
@@ -114,8 +115,13 @@ def train_step_program(model: str, batch: int, T: int, what: str, mesh, *, abstr
     from linjax.model import CausalLM
     from linjax.scan import layer_runs, stack_layers, unstack_layers
     from linjax.train import sharding
-    from linjax.train.loop import (GPU_COMPILE_OPTIONS, abstract_train_state, make_optimizer, make_train_step,
-                                   place_train_state)
+    from linjax.train.loop import (
+        GPU_COMPILE_OPTIONS,
+        abstract_train_state,
+        make_optimizer,
+        make_train_step,
+        place_train_state,
+    )
     from linjax.train.objectives import embedding_floor_loss
 
     settings = settings or TrainSection(steps=100, seq_len=T, batch_size=batch, warmup_steps=10)

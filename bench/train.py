@@ -42,12 +42,12 @@ import numpy as np
 from flax import nnx
 
 import linjax
+from linjax.experiment import TrainSection
 from linjax.files import write_json
 from linjax.scan import layer_runs, run_layers, stack_layers, unstack_layers
 from linjax.train import sharding
-from linjax.experiment import TrainSection
-from linjax.train.loop import make_optimizer, make_train_step, place_train_state
 from linjax.train.cross_entropy import cross_entropy
+from linjax.train.loop import make_optimizer, make_train_step, place_train_state
 from linjax.train.objectives import next_token_loss
 
 FINAL_RECIPE = linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8, adapter="shortconv")

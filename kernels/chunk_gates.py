@@ -11,7 +11,8 @@ from which every decay is a product of factors ≤ 1:
 
     inside sub-chunk s     e^{G_i − G_j} = e^{b_i − b_j}
     across (s > r)         e^{G_i − G_j} = e^{b_i} · Π_{r<u<s} e^{B_u} · e^{B_r − b_j}
-    from the chunk start   Γ_i = Π_{u<s} e^{B_u} · e^{b_i},   to its end e^{G_C − G_j} = e^{B_r − b_j} · Π_{u>r} e^{B_u}.
+    from the chunk start   Γ_i = Π_{u<s} e^{B_u} · e^{b_i}
+    to its end             e^{G_C − G_j} = e^{B_r − b_j} · Π_{u>r} e^{B_u}
 
 Gates are clamped at −20 first (e^{−20} ≈ 2e-9: what crosses such a gate is negligible either way,
 and its gradient is zero in the reference too), so |b| stays within 16 · 20 and each decay within a

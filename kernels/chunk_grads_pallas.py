@@ -34,8 +34,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from linjax.kernels.chunk_intra_pallas import ChunkGates
-from linjax.kernels.pallas_common import (F32, SUB, Layout, cols, column_loop, dot, dot_t, operand_type, rows, t_dot,
-                                          triton_params)
+from linjax.kernels.pallas_common import (
+    F32,
+    SUB,
+    Layout,
+    cols,
+    column_loop,
+    dot,
+    dot_t,
+    operand_type,
+    rows,
+    t_dot,
+    triton_params,
+)
 
 KEY_BLOCK = 64  # keys per program of state_grads
 
@@ -84,8 +95,10 @@ def _state_kernel(*refs, delta: bool, gated: bool, scalar_gate: bool, dtype, chu
 
     @pl.when(pl.program_id(2) == 0)
     def _():  # ∂A^{qk} = dO Uᵀ, once per chunk
-        d_a = column_loop(s_ref.shape[1], lambda columns, acc: acc + dot_t(do_ref[:, columns], u_ref[:, columns],
-                                                                            dtype), jnp.zeros((chunk, chunk), F32), dtype)
+        def value_block_scores(columns, acc):
+            return acc + dot_t(do_ref[:, columns], u_ref[:, columns], dtype)
+
+        d_a = column_loop(s_ref.shape[1], value_block_scores, jnp.zeros((chunk, chunk), F32), dtype)
         da_ref[...] = jnp.where(rows(chunk) >= cols(chunk), d_a, 0.0)
 
 
@@ -118,7 +131,8 @@ def state_grads(d_out, states, d_states, new_values, d_new_values, k_gated, gamm
     end_width = n_key_blocks if scalar_gate else Dk
     shapes = [((B, T, H, Dk), keys(Dk)), ((B, T, H, Dk), keys(Dk)), ((B, T, H, chunk), on(chunk))]
     if gated:
-        shapes.append(((B, N, H, end_width), layout.per_chunk(end_width, axes="nbj", col_block=1 if scalar_gate else KB)))
+        end_spec = layout.per_chunk(end_width, axes="nbj", col_block=1 if scalar_gate else KB)
+        shapes.append(((B, N, H, end_width), end_spec))
     if delta:
         shapes.append(((B, T, H, Dk), keys(Dk)))
     out = pl.pallas_call(

@@ -39,8 +39,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from linjax.kernels.pallas_common import (F32, SUB, Layout, cols, column_loop, dot, dot_t, identity, operand_type,
-                                          rows, triton_params)
+from linjax.kernels.pallas_common import (
+    F32,
+    SUB,
+    Layout,
+    cols,
+    column_loop,
+    dot,
+    dot_t,
+    identity,
+    operand_type,
+    rows,
+    triton_params,
+)
+
 
 class IntraChunk(NamedTuple):
     a_qk: jax.Array  # [B, T, H, C]: row t holds A^{qk} of t's chunk, in `dtype` (fp32 if dtype is)
@@ -195,9 +207,9 @@ def _solve_wy_kernel(k_ref, v_ref, b_ref, beta_ref, akk_ref, w_ref, u_ref, m_ref
     inverse_rows = []                                     # M's row blocks [16, C]
     for s in range(n_sub):
         rhs = jnp.where(cols(C, SUB) == rows(SUB, C) + s * SUB, 1.0, 0.0)       # E_s
-        for l in range(s):
-            t_sl = beta[s] * akk_ref[pl.ds(s * SUB, SUB), pl.ds(l * SUB, SUB)]
-            rhs = rhs - dot(t_sl, inverse_rows[l], exact)
+        for t in range(s):
+            t_st = beta[s] * akk_ref[pl.ds(s * SUB, SUB), pl.ds(t * SUB, SUB)]
+            rhs = rhs - dot(t_st, inverse_rows[t], exact)
         t_ss = identity(SUB) + beta[s] * akk_ref[pl.ds(s * SUB, SUB), pl.ds(s * SUB, SUB)]
         inverse_rows.append(dot(unit_lower_inverse(t_ss, exact), rhs, exact))
         m_ref[pl.ds(s * SUB, SUB), :] = inverse_rows[-1]

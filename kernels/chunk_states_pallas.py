@@ -27,12 +27,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from linjax.kernels.pallas_common import F32, Layout, dot, operand_type, t_dot, triton_params, value_block
-
 
 ROW_BLOCK = 64  # state rows (keys) per piece of the state held in registers
 

@@ -30,7 +30,8 @@ import numpy as np
 
 from linjax.kernels import scaling, triangular
 
-__all__ = ["chunk_length", "to_chunks", "swap_tokens_and_heads", "from_chunks", "segment_matrices", "chunk_factors", "causal_scores"]
+__all__ = ["chunk_length", "to_chunks", "swap_tokens_and_heads", "from_chunks", "segment_matrices", "chunk_factors",
+           "causal_scores"]
 
 
 def chunk_length(chunk: int, T: int) -> int:
@@ -98,7 +99,7 @@ def _prefix_products(log_gate):
     levels = []
     h = 1
     while h < C:
-        pairs = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
+        pairs = lambda x, h=h: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
         p, s = pairs(prefix), pairs(suffix)
         levels.append(jnp.concatenate([s[..., 0, :, :], p[..., 1, :, :]], axis=-2).reshape(a.shape))
         lower_total, upper_total = p[..., 0, h - 1:, :], p[..., 1, h - 1:, :]
@@ -155,7 +156,7 @@ def causal_scores(q, k, levels, beta=None):
     crosses = []                                             # T's off-diagonal blocks, level by level
     for level, f in enumerate(levels):
         h = 2 ** level
-        split = lambda x: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
+        split = lambda x, h=h: x.reshape(*x.shape[:-2], C // (2 * h), 2, h, x.shape[-1])
         qf, kf = split(q * f), split(k * f)
         lower = kf[..., 0, :, :]                               # e^{G_m − G_j} k_j
         scores = triangular.merge_blocks(scores, jnp.einsum("...nid,...njd->...nij", qf[..., 1, :, :], lower))

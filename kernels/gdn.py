@@ -26,8 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from linjax.kernels import chunk_pallas, chunk_states, decay, scaling
-from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
-                                     initial_state_or_zeros)
+from linjax.kernels.contract import (
+    as_token_batch,
+    check_qkv,
+    check_shape,
+    default_scale,
+    expand_kv_heads,
+    initial_state_or_zeros,
+)
 from linjax.kernels.pallas_common import check_pallas_chunk
 
 __all__ = ["reference", "chunked", "step", "pallas", "CHUNK", "GPU_CHUNK", "PALLAS_CHUNK"]

@@ -6,7 +6,8 @@ per-channel decay given in log space, log α ≤ 0 (0 = keep, −∞ = reset).
     reference(q, k, v, log_alpha, *, scale=None, initial_state=None) -> (o, final_state)
     chunked(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=None) -> (o, final_state)
     step(q, k, v, log_alpha, *, state=None, scale=None) -> (o, new_state)
-    pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None) -> (o, final_state)
+    pallas(q, k, v, log_alpha, *, scale=None, initial_state=None, chunk=PALLAS_CHUNK, interpret=None)
+        -> (o, final_state)
 
 Shapes: q [B,T,H,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv], log_alpha [B,T,H,Dk];
 H is a multiple of Hkv and query head h reads kv head h // (H // Hkv) (HF
@@ -31,8 +32,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from linjax.kernels import chunk_pallas, chunk_states, decay, scaling
-from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
-                                     initial_state_or_zeros)
+from linjax.kernels.contract import (
+    as_token_batch,
+    check_qkv,
+    check_shape,
+    default_scale,
+    expand_kv_heads,
+    initial_state_or_zeros,
+)
 from linjax.kernels.pallas_common import check_pallas_chunk
 
 # Default chunk of `chunked` on a CPU (a power of two): 32 had the faster forward (results/bench/HISTORY.md).

@@ -25,8 +25,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from linjax.kernels import gla
-from linjax.kernels.contract import (as_token_batch, check_qkv, check_shape, default_scale, expand_kv_heads,
-                                     initial_state_or_zeros)
+from linjax.kernels.contract import (
+    as_token_batch,
+    check_qkv,
+    check_shape,
+    default_scale,
+    expand_kv_heads,
+    initial_state_or_zeros,
+)
 
 KEY_GATE_FLOOR = 1e-6
 CHUNK = gla.CHUNK  # kGLA runs the GLA chunk kernel on a combined gate: its chunk, for the same reasons

@@ -35,8 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from linjax.kernels import chunk_pallas, gla
-from linjax.kernels.contract import (as_token_batch, check_qkv, default_scale, expand_kv_heads,
-                                     initial_state_or_zeros)
+from linjax.kernels.contract import as_token_batch, check_qkv, default_scale, expand_kv_heads, initial_state_or_zeros
 
 CHUNK = gla.CHUNK  # the GLA chunk kernel without gates: its chunk, for the same reasons
 
@@ -97,7 +96,8 @@ def step(q, k, v, *, state=None, scale=None, normalize=True, eps=1e-10):
 def pallas(q, k, v, *, scale=None, initial_state=None, chunk=gla.PALLAS_CHUNK, normalize=True, eps=1e-10,
            interpret=None):
     """`chunked` with the numerator from the chunked Pallas kernels without a decay (chunk_pallas.py,
-    forward and backward; dot operands in v's dtype, the numerator in fp32) and the normaliser carried as its own state: scale · qᵀz_t with z_t = z_0 + Σ_{i≤t} k_i,
+    forward and backward; dot operands in v's dtype, the numerator in fp32) and the normaliser carried
+    as its own state: scale · qᵀz_t with z_t = z_0 + Σ_{i≤t} k_i,
     a cumulative sum in fp32 (so neither is rounded to v's dtype, nor padded to a value column)."""
     B, T, H, Hkv, Dk, Dv = check_qkv(q, k, v)
     state = initial_state_or_zeros(initial_state, (B, H, Dk, Dv + 1))

@@ -173,7 +173,7 @@ def attend(q, k, v, position, *, scale=None) -> SoftmaxParts:
     """The retained tokens' softmax parts for one query token. q [B, H, Dk]; k, v [B, R, Hkv, D]
     (the slots' pretrained keys and values); position [B, R, Hkv] (−1: empty, masked)."""
     B, H, Dk = q.shape
-    R, Hkv = k.shape[1], k.shape[2]
+    Hkv = k.shape[2]
     scale = default_scale(scale, Dk)
     qg = q.astype(jnp.float32).reshape(B, Hkv, H // Hkv, Dk)
     scores = scale * jnp.einsum("bkgd,brkd->bkgr", qg, k.astype(jnp.float32))

@@ -252,8 +252,8 @@ def chunked(q, k, v, *, sinks, window, scale=None, chunk=CHUNK, cache=None):
     # the passes over them. Forming all blocks at once made every pass stream the whole [.., T, span]
     # array, and the cost grew faster than T.
     blocks_first = lambda x: jnp.moveaxis(x, 1, 0)
-    numerator, row_max, row_sum = jax.lax.map(jax.checkpoint(query_block),
-                                              (blocks_first(qb), blocks_first(kb), blocks_first(vb), in_window, sink_seen))
+    blocks = (blocks_first(qb), blocks_first(kb), blocks_first(vb), in_window, sink_seen)
+    numerator, row_max, row_sum = jax.lax.map(jax.checkpoint(query_block), blocks)
     # [N,B,Hkv,G,C,...] -> [B,T,H,...]
     to_bthd = lambda x: jnp.moveaxis(x, (0, 4), (1, 2)).reshape(B, N * C, H, *x.shape[5:])[:, :T]
     return SoftmaxParts(to_bthd(numerator), to_bthd(row_max), to_bthd(row_sum))

@@ -127,7 +127,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, arg_ref, *, cf
     q = q_ref[...]
 
     def visit(kb, carry, mask):
-        m, l, acc, arg = carry
+        m, row_sum, acc, arg = carry
         k_start = kb * block
         t, j = _query_key_iota(q_start, k_start, block)
         keep = mask(t, j, cfg)
@@ -140,7 +140,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, arg_ref, *, cf
         rescale = jnp.exp(m - m_new)
         v = _rows(v_ref, k_start, block)
         acc = rescale[:, None] * acc + _ab(p.astype(v.dtype), v)
-        return m_new, rescale * l + jnp.sum(p, axis=1), acc, arg
+        return m_new, rescale * row_sum + jnp.sum(p, axis=1), acc, arg
 
     carry = (jnp.full((block,), _MASKED, jnp.float32), jnp.zeros((block,), jnp.float32),
              jnp.zeros((block, o_ref.shape[-1]), jnp.float32), jnp.full((block,), -1, jnp.int32))
@@ -148,10 +148,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, max_ref, arg_ref, *, cf
         carry = visit(kb, carry, _sink_mask)
     carry = lax.fori_loop(_first_window_block(q_start, cfg), i + 1,
                           lambda kb, c: visit(kb, c, _window_mask), carry)
-    m, l, acc, arg = carry
-    # l ≥ 1: every row keeps its diagonal key (t − j = 0 < window), so m is a kept score and adds exp(0).
-    o_ref[...] = acc / l[:, None]
-    lse_ref[...] = m + jnp.log(l)
+    m, row_sum, acc, arg = carry
+    # row_sum ≥ 1: every row keeps its diagonal key (t − j = 0 < window), so m is a kept score and adds exp(0).
+    o_ref[...] = acc / row_sum[:, None]
+    lse_ref[...] = m + jnp.log(row_sum)
     max_ref[...] = m
     arg_ref[...] = arg
 

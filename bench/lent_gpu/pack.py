@@ -1,4 +1,5 @@
-"""Pack results/runs/ROW for the rows given into at most 6 gzipped tars under OUT (58 MiB in all; a call returns at most 64 MiB in 8 files):
+"""Pack results/runs/ROW for the rows given into at most 6 gzipped tars under OUT (58 MiB in all; a call
+returns at most 64 MiB in 8 files):
 finished rows first without their checkpoints/, then unfinished ones with them (to resume)."""
 import io
 import os
@@ -22,18 +23,21 @@ for row, keep_checkpoints in [(r, False) for r in finished] + [(r, True) for r i
 groups, total = [[]], 0
 for row, data in blobs:
     if total + len(data) > TOTAL or len(data) > LIMIT:
-        print("left out:", row, len(data)); continue
+        print("left out:", row, len(data))
+        continue
     if sum(len(d) for _, d in groups[-1]) + len(data) > LIMIT:
         if len(groups) == 6:
-            print("left out:", row, len(data)); continue
+            print("left out:", row, len(data))
+            continue
         groups.append([])
-    groups[-1].append((row, data)); total += len(data)
+    groups[-1].append((row, data))
+    total += len(data)
 for i, group in enumerate(groups):
-    with open(os.path.join(out, f"runs{i}.tar"), "wb") as f:
-        with tarfile.open(fileobj=f, mode="w") as tar:
-            for row, data in group:
-                info = tarfile.TarInfo(f"{row}.tar.gz"); info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    with open(os.path.join(out, f"runs{i}.tar"), "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+        for row, data in group:
+            info = tarfile.TarInfo(f"{row}.tar.gz")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     print(f"runs{i}.tar:", [row for row, _ in group])
 with tarfile.open(os.path.join(out, "logs.tar.gz"), "w:gz") as tar:
     for path in ("runs/claims-logs", os.path.join(out, "claims.log"), os.path.join(out, "progress.log")):

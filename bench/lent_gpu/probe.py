@@ -27,9 +27,9 @@ sys.path.insert(0, BENCH)  # for gpu_check's random_model
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from gpu_check import model_shapes, random_model  # noqa: E402
 
 import linjax  # noqa: E402
-from gpu_check import model_shapes, random_model  # noqa: E402
 from linjax.experiment import load_experiment  # noqa: E402
 from linjax.train import sharding  # noqa: E402
 from linjax.train.loop import make_optimizer, make_train_step, place_train_state, trained_parameters  # noqa: E402

@@ -101,7 +101,6 @@ def test_gla_family_gpu_form_hard_resets(gpu_form, mechanism):
 def test_cpu_lowering_runs_the_cpu_form_exactly():
     """On a CPU, `chunked` (forward and gradients) is bit for bit its CPU form called directly."""
     x = make_inputs(14, 100, 2, 16)
-    names = ("q", "k", "v", "log_alpha", "beta", "initial_state")
 
     def cpu_form(q, k, v, log_alpha, beta, initial_state):
         q32, k32, v32, la, b, S0, scale = gdn._prepare(q, k, v, log_alpha, beta, initial_state, None)

@@ -27,7 +27,6 @@ import pytest
 from linjax.kernels import gdn, gla, kgla, linear_attn
 from tests.helpers import environment_with_user_xla_flags, python_environment, relative_rms
 
-
 B, T, H, D = 1, 96, 2, 64
 
 
@@ -77,8 +76,8 @@ def with_user_flags():
     """`check_every_kernel` in a subprocess compiled with the user's XLA flags."""
     done = subprocess.run([sys.executable, "-c", "import json; from tests.kernels.test_cpu_miscompile import "
                            "check_every_kernel; print(json.dumps(check_every_kernel()))"],
-                          env=python_environment(environment_with_user_xla_flags()), cwd=tempfile.gettempdir(), capture_output=True,
-                          text=True, timeout=600)
+                          env=python_environment(environment_with_user_xla_flags()), cwd=tempfile.gettempdir(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -32,11 +32,18 @@ from flax import nnx
 import linjax
 from linjax.config import tiny_config
 from linjax.kernels import gdn, gla, kgla, linear_attn, swa
-from linjax.model import CausalLM
 from linjax.linearize import LINEAR_MIXERS
+from linjax.model import CausalLM
 from tests.helpers import linear_mechanisms, relative_rms
-from tests.kernels.test_pallas import (KERNEL_BACKWARD, TOL, assert_close, check_grads_per_input, check_vjp,
-                                       gla_gates, make_inputs)
+from tests.kernels.test_pallas import (
+    KERNEL_BACKWARD,
+    TOL,
+    assert_close,
+    check_grads_per_input,
+    check_vjp,
+    gla_gates,
+    make_inputs,
+)
 from tests.test_linearize import tokens_for
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -77,7 +84,8 @@ def kernel_case(mech, dtype, seed):
     if mech == "gdn":
         gates[0] = gates[0].at[:, ::50].set(-1000.0)
     module = mixer.kernel_module
-    h0 = jnp.abs(jax.random.normal(jax.random.key(seed + 2), jax.eval_shape(module.reference, q, k, v, *gates)[1].shape))
+    state = jax.eval_shape(module.reference, q, k, v, *gates)[1]
+    h0 = jnp.abs(jax.random.normal(jax.random.key(seed + 2), state.shape))
     n = 3 + len(gates)
     kernel = lambda *a: module.pallas(*a[:n], initial_state=a[n], **compiled)  # noqa: E731
     spec = lambda *a: module.reference(*up(a[:n]), initial_state=a[n])  # noqa: E731

@@ -11,8 +11,17 @@ import pytest
 from linjax.kernels import gla, kgla
 from tests.helpers import relative_rms
 from tests.kernels.fla_oracle import fla_naive
-from tests.kernels.test_gla import (B, H, REDUCED_GRID, REDUCED_IDS, compare_bf16, compare_chunked, compare_split,
-                                    compare_step, random_inputs)
+from tests.kernels.test_gla import (
+    REDUCED_GRID,
+    REDUCED_IDS,
+    B,
+    H,
+    compare_bf16,
+    compare_chunked,
+    compare_split,
+    compare_step,
+    random_inputs,
+)
 
 
 @pytest.mark.parametrize("T, Hkv, D, init", REDUCED_GRID, ids=REDUCED_IDS)

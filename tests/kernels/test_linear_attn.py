@@ -10,8 +10,15 @@ import pytest
 from linjax.kernels import linear_attn
 from tests.helpers import relative_rms
 from tests.kernels.fla_oracle import fla_naive
-from tests.kernels.test_gla import (REDUCED_GRID, REDUCED_IDS, compare_bf16, compare_chunked, compare_split,
-                                    compare_step, random_inputs)
+from tests.kernels.test_gla import (
+    REDUCED_GRID,
+    REDUCED_IDS,
+    compare_bf16,
+    compare_chunked,
+    compare_split,
+    compare_step,
+    random_inputs,
+)
 
 
 @pytest.mark.parametrize("T, Hkv, D, init", REDUCED_GRID, ids=REDUCED_IDS)

@@ -27,7 +27,6 @@ from linjax.kernels import gdn, gla, kgla, linear_attn, swa
 from linjax.model import CausalLM
 from tests.helpers import environment_with_user_xla_flags, python_environment, window_mechanisms
 
-
 CONCURRENT_GDN = textwrap.dedent("""
     import os
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # XLA sizes its pool as on CI: 2 threads
@@ -56,8 +55,8 @@ CONCURRENT_GDN = textwrap.dedent("""
 def test_concurrent_chunked_gdn_calls_do_not_deadlock():
     env = python_environment(environment_with_user_xla_flags())  # compiled as users compile it
     try:
-        done = subprocess.run([sys.executable, "-c", CONCURRENT_GDN], env=env, cwd=tempfile.gettempdir(), capture_output=True,
-                              text=True, timeout=240)
+        done = subprocess.run([sys.executable, "-c", CONCURRENT_GDN], env=env, cwd=tempfile.gettempdir(),
+                              capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail("six concurrent chunked GDN calls made no progress in 240 s: the XLA:CPU worker pool "
                     "deadlocked (a blocking LAPACK call in the kernel?)")
@@ -82,7 +81,8 @@ def _kernel_calls():
         "gdn scalar": lambda q, k, v: gdn.chunked(q, k, v, la_head, beta),
         "gla": lambda q, k, v: gla.chunked(q, k, v, la_chan),
         "kgla": lambda q, k, v: kgla.chunked(q, k, v, la_chan, beta),
-        "linear attention": lambda q, k, v: (lambda r: (r[0].o, r[1]))(linear_attn.chunked(jax.nn.softmax(q), jax.nn.softmax(k), v)),
+        "linear attention": lambda q, k, v: (lambda r: (r[0].o, r[1]))(
+            linear_attn.chunked(jax.nn.softmax(q), jax.nn.softmax(k), v)),
         "sinks + window": lambda q, k, v: (swa.chunked(q, k, v, sinks=4, window=8),),
     }, (q, k, v)
 

@@ -122,7 +122,7 @@ def test_linear_attn_forward(case):
     q, k, v, _, _, _ = make_inputs(6, *case)
     T, Hkv, D, with_state, _ = case
     # Positive features, as Hedgehog's softmax feature maps give.
-    q, k = jax.nn.softmax(q.astype(jnp.float32), -1).astype(q.dtype), jax.nn.softmax(k.astype(jnp.float32), -1).astype(k.dtype)
+    q, k = (jax.nn.softmax(x.astype(jnp.float32), -1).astype(x.dtype) for x in (q, k))
     h0 = jnp.abs(jax.random.normal(jax.random.PRNGKey(7), (B, H, D, D + 1))) if with_state else None
     assert_close(linear_attn.pallas(q, k, v, initial_state=h0),
                  reference["linear_attn"](q, k, v, initial_state=h0), TOL[case[4]])

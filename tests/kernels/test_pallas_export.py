@@ -200,7 +200,8 @@ def kernel_sizes(fn, *args):
 def test_kernel_programs_do_not_grow_with_the_sequence(mech):
     """The chunks are a loop inside each kernel, not unrolled: the same kernel bodies at T 200
     and T 2,000 (compile time independent of T)."""
-    sizes = [kernel_sizes(fn, *args) for fn, args in (linear_kernel_program(mech, jnp.bfloat16, T=t) for t in (200, 2000))]
+    programs = (linear_kernel_program(mech, jnp.bfloat16, T=t) for t in (200, 2000))
+    sizes = [kernel_sizes(fn, *args) for fn, args in programs]
     assert len(sizes[0]) >= {"gdn_backward": 7, "gla_backward": 5}[mech] and sizes[0] == sizes[1]
 
 
