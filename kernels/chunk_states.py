@@ -19,8 +19,9 @@ U_n (GDN's "new values"), from which the outputs of all chunks follow in paralle
 
     scan(k_out, values, w, decay, state) -> (states, new_values, final_state)
 
-This is the XLA form (`lax.scan`, autodiff through it: its residuals are the states it returns);
-chunk_states_pallas.py is the Pallas form with the same signature.
+This is the XLA form (`lax.scan`, autodiff through it: its residuals are the states it returns) that
+`chunked` runs where the program is lowered for a GPU; chunk_states_pallas.py is the Pallas pass of
+the same recurrence, reading the [B, T, H, D] layout in place.
 """
 
 from __future__ import annotations

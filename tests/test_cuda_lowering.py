@@ -109,3 +109,20 @@ def test_square_tensors_finds_a_score_matrix():
     assert square_tensors("tensor<1x4x4096x4096xf32> tensor<1x4096x64xbf16>", 4096) == ["1x4x4096x4096"]
     assert square_tensors("tensor<30x3x4x3x4095x4095xf32>", 4096) == ["30x3x4x3x4095x4095"]
     assert square_tensors("tensor<1x2x512x4096xf32> tensor<4096xi32>", 4096) == []
+
+
+def test_auto_settings_resolve_for_the_platform_being_built_for():
+    """`compiling_for("cuda")` gives the GPU's "auto" settings on a machine without a GPU (and a CUDA
+    lowering made inside it is the program a GPU runs); outside it they follow this process's devices."""
+    from linjax.experiment import ModelSection
+    from linjax.platform import compiling_for, has_cuda, resolve_kernel
+
+    with compiling_for("cuda"):
+        assert resolve_kernel("auto") == "pallas" and ModelSection().dtype == "bfloat16"
+        assert TrainSection(steps=10, seq_len=T, warmup_steps=1).remat_policy() == REMAT_POLICY["full"]
+        assert TrainSection(steps=10, seq_len=T, warmup_steps=1).loss_chunk_size() == GPU_POLICY["loss_chunk"]
+        with compiling_for("cpu"):
+            assert resolve_kernel("auto") == "chunked" and ModelSection().dtype == "float32"
+    assert resolve_kernel("auto") == ("pallas" if has_cuda() else "chunked")
+    with pytest.raises(ValueError, match="'cuda' or 'cpu'"), compiling_for("gpu"):
+        pass
