@@ -301,7 +301,6 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
     shots_of = {t: num_fewshot if num_fewshot is not None else DEFAULT_FEWSHOT.get(t.split("_")[0], 0) for t in tasks}
     # lm-eval bootstraps perplexity's stderr in a forked multiprocessing pool: no fork under JAX
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
-    manager = task_manager(data_dir)
     results, groups, n_samples, configs, versions, seconds = {}, {}, {}, {}, {}, {}
     start = time.perf_counter()
     digest = None
@@ -329,6 +328,7 @@ def run(model_spec: str, *, tasks, data_dir: str | None = None, limit: int | flo
         # retrained in place, or given another tokenizer, must not inherit the earlier finished tasks or
         # cached request scores.
         trusted = remote_code_trusted(directory, trust_remote_code)  # refused before any work
+        manager = task_manager(data_dir)  # reading lm-eval's task files takes seconds: after the checks
         digest = model_digest(directory)
         if resume:
             earlier = _finished_earlier(out_dir, model_spec, data_dir, limit, shots_of, digest)
