@@ -238,8 +238,9 @@ def load_checkpoint(directory: str, dtype=None):
     try:
         state = _checkpointer().restore(os.path.join(directory, "params"), _on_this_process(abstract_state))
     except Exception as err:  # orbax raises a bare Exception for a file cut short
-        raise integrity.Damaged(f"the parameters in {os.path.join(directory, 'params')} cannot be read "
-                                f"({_first_line(err)}): they are damaged; write the checkpoint again", directory) from None
+        params = os.path.join(directory, "params")
+        raise integrity.Damaged(f"the parameters in {params} cannot be read ({_first_line(err)}): they are "
+                                "damaged; write the checkpoint again", directory) from None
     model = nnx.merge(graphdef, state)
     if dtype is not None and jnp.dtype(dtype) != saved_dtype:
         model = cast_model(model, dtype)

@@ -414,9 +414,10 @@ def _finished_earlier(out_dir: str, model_spec: str, data_dir, limit, shots_of: 
         return {}
     earlier = read_json(path)
     if earlier.get("model_sha256") != digest:
+        theirs = str(earlier.get("model_sha256"))[:16]
         raise ValueError(f"{path} was scored on other weights or tokenizer files than {model_spec!r} has now "
-                         f"(content digest {str(earlier.get('model_sha256'))[:16]} there, {digest[:16]} now): resuming would "
-                         "mix two models. Write to another --out, or run without --resume")
+                         f"(content digest {theirs} there, {digest[:16]} now): resuming would mix two models. "
+                         "Write to another --out, or run without --resume")
     theirs = (earlier.get("model"), earlier.get("data_dir"), earlier.get("limit"))
     ours = (model_spec, os.path.abspath(data_dir) if data_dir else None, limit)
     shots = {t: n for t, n in earlier.get("num_fewshot", {}).items() if t in shots_of}

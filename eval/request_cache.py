@@ -65,7 +65,7 @@ class RequestCache:
                     result = _result(entry.get("result"))
                     if result is not None:
                         self.results[entry["request"]] = result
-        self.file = open(path, "a", encoding="utf-8")
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (appended to as requests are scored; close())
 
     def __contains__(self, key: str) -> bool:
         return key in self.results

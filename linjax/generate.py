@@ -22,9 +22,10 @@ call), and the one-token step one with the layer loop (no stacking per token).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -122,10 +123,8 @@ def free_memory() -> int | None:
     """Bytes free where the decoding state goes: the device's (an accelerator's own memory), else the
     host's available memory; None if unknown."""
     stats = None
-    try:
+    with contextlib.suppress(Exception):  # not every backend keeps statistics
         stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # not every backend keeps statistics
-        pass
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     try:

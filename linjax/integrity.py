@@ -76,7 +76,8 @@ def read_manifest(directory: str) -> dict:
         if not isinstance(files, dict):
             raise TypeError
     except (ValueError, KeyError, TypeError) as err:
-        raise Damaged(f"{path} (the record of the files beside it) is damaged: {err or 'not a record'}", path)
+        raise Damaged(f"{path} (the record of the files beside it) is damaged: {err or 'not a record'}",
+                      path) from None
     return files
 
 

@@ -197,9 +197,8 @@ def test_a_watchdog_of_nan_seconds_is_refused():
     from linjax.app import watchdog
 
     for seconds in (float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="finite"):
-            with watchdog.watch("stage", seconds):
-                pass
+        with pytest.raises(ValueError, match="finite"), watchdog.watch("stage", seconds):
+            pass
 
 
 # ----------------------------------------------------------------------------- a loss that stops being finite

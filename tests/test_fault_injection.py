@@ -28,7 +28,8 @@ import linjax
 from linjax import train
 from linjax.app import pipeline
 from tests.fault_points import counted
-from tests.file_systems import flip_bytes, in_namespace, linjax as linjax_command, read_only, tmpfs, truncate
+from tests.file_systems import flip_bytes, in_namespace, read_only, tmpfs, truncate
+from tests.file_systems import linjax as linjax_command
 from tests.helpers import python_environment
 from tests.test_reliability import leftovers, one_line_error, run_cli, snapshot
 from tests.test_reliability_integrity import largest_file

@@ -11,10 +11,9 @@ from linjax.files import atomic_file, read_file_documents, write_json, write_tex
 def test_a_failed_write_keeps_the_earlier_file_and_leaves_nothing_beside_it(tmp_path):
     path = str(tmp_path / "out" / "result.json")  # the folder is created
     write_json(path, {"a": 1})
-    with pytest.raises(OSError, match="No space"):
-        with atomic_file(path) as f:
-            f.write('{"a": ')
-            raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space"), atomic_file(path) as f:
+        f.write('{"a": ')
+        raise OSError(28, "No space left on device")
     assert json.loads(open(path).read()) == {"a": 1}
     assert os.listdir(tmp_path / "out") == ["result.json"]
     write_text(path, "done\n")

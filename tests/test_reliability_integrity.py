@@ -48,8 +48,8 @@ def test_a_damaged_latest_checkpoint_gives_way_to_the_newest_intact_one(tiny_sou
     status, _, err = run_cli(["train", config_path, "--resume", "--no-progress", "--set", "train.steps=5"], capsys)
     assert status == 0 and "Traceback" not in err, err
     assert f"{flipped} does not hold the bytes that were written" in err
-    assert f"{cut} has {os.path.getsize(run / 'damaged-checkpoints' / '2' / os.path.relpath(cut, run / 'checkpoints' / '2'))}" \
-           " bytes where" in err
+    kept = run / "damaged-checkpoints" / "2" / os.path.relpath(cut, run / "checkpoints" / "2")
+    assert f"{cut} has {os.path.getsize(kept)} bytes where" in err
     assert f"resuming {run} from checkpoint 1, the newest intact one" in err
     assert sorted(os.listdir(run / "damaged-checkpoints")) == ["2", "3"]  # set aside, not deleted
     assert steps_logged(run) == [1, 2, 3, 4, 5]

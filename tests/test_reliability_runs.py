@@ -207,9 +207,8 @@ def test_a_waiting_writer_goes_on_once_the_holder_is_gone(tmp_path, holder):
 
     target = tmp_path / "gguf-cache"
     pid = holder(target)
-    with pytest.raises(WriterBusy):
-        with writer_lock(target):
-            pass
+    with pytest.raises(WriterBusy), writer_lock(target):
+        pass
     threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
     with writer_lock(target, wait=True):
         assert open(lock_path(target)).read().strip() == str(os.getpid())
@@ -406,9 +405,8 @@ def test_the_watchdog_removes_the_temporary_files_it_knows_of_before_ending_the_
 
 
 def test_lm_eval_registers_its_temporary_export_with_the_watchdog(tiny_source, tmp_path):
-    from linjax.eval.lm_eval_bridge import hf_directory
-
     from linjax.convert.checkpoint import save_checkpoint
+    from linjax.eval.lm_eval_bridge import hf_directory
 
     run = tmp_path / "checkpoint"  # not an HF directory: exported to a temporary one to be scored
     model, tokenizer = linjax.load(tiny_source)
@@ -474,9 +472,9 @@ def test_a_run_directory_overlapping_its_inputs_is_refused_before_anything_is_wr
 def test_resume_of_a_finished_run_on_a_read_only_file_system_changes_nothing(tiny_source, corpus, tmp_path):
     """`linjax train --resume` (and `linjax run`) of a finished run on a read-only mount: "nothing to do",
     exit 0, as documented; no lock is needed where nothing is written."""
-    from tests.file_systems import in_namespace, linjax, read_only
-
     import dataclasses
+
+    from tests.file_systems import in_namespace, linjax, read_only
 
     run = tmp_path / "runs" / "run"
     config = experiment(run, tiny_source, corpus, steps=1, warmup_steps=0)

@@ -176,7 +176,8 @@ def test_a_tokenizers_own_code_is_refused_when_the_config_asks_for_none(tmp_path
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (model / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_mine.T", None]}}))
+    tokenizer_map = {"AutoTokenizer": ["tokenization_mine.T", None]}
+    (model / "tokenizer_config.json").write_text(json.dumps({"auto_map": tokenizer_map}))
     (model / "tokenization_mine.py").write_text(EVIL_MODELING)
     with pytest.raises(ValueError, match=r"auto_map in tokenizer_config.json.*tokenization_mine\.py"):
         lm_eval_bridge.remote_code_trusted(str(model))

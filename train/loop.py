@@ -50,8 +50,7 @@ import linjax
 from linjax import fingerprint, heartbeat, integrity
 from linjax.convert.checkpoint import MANIFEST, load_trained_parameters, save_trained, verify_trainable
 from linjax.experiment import OPERATIONAL, describe_changes, setting_changes
-from linjax.files import (read_json, recover_interrupted_swap, refuse_overlap, write_json, write_text,
-                          writer_lock)
+from linjax.files import read_json, recover_interrupted_swap, refuse_overlap, write_json, write_text, writer_lock
 from linjax.layers import Trainable
 from linjax.platform import device_description
 from linjax.scan import layer_runs, per_layer, stack_layers, stacked_by_run, unstack_layers
@@ -228,9 +227,8 @@ def finished_steps(run_dir: str) -> int | None:
         return None
     if "steps" in manifest:
         return int(manifest["steps"])
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return max(json.loads(line)["step"] for line in f if line.strip())
+    with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return max(json.loads(line)["step"] for line in f if line.strip())
     return None
 
 
@@ -247,8 +245,8 @@ def _refuse_other_settings(stored: dict, record: dict, run_dir: str) -> None:
     if changes:
         raise ValueError(f"{run_dir} was started with other settings: {describe_changes(changes)}; resuming would "
                          "mix two experiments in one run. Resume with the original settings, or train the new "
-                         "ones in a new run_dir (only train.steps, checkpoint_every, keep_checkpoints, mesh_*, remat, loss_chunk, "
-                         "linearize.kernel/chunk and [eval] may change on --resume)")
+                         "ones in a new run_dir (only train.steps, checkpoint_every, keep_checkpoints, mesh_*, remat, "
+                         "loss_chunk, linearize.kernel/chunk and [eval] may change on --resume)")
 
 
 def _run_record(config, run_dir: str, step: int, inputs: dict) -> dict:

@@ -32,12 +32,21 @@ import linjax
 from linjax import fingerprint, storage, train
 from linjax.app import compilation_cache, hugepages, latency_cli, pipeline, watchdog
 from linjax.app.arguments import non_negative_float, non_negative_int
-from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.app.eval_cli import add_eval_parser
+from linjax.convert.checkpoint import save_checkpoint, write_checkpoint_files
 from linjax.files import WriterBusy, check_export_directory, write_directory, writer_lock
 from linjax.generate import generate, refuse_what_cannot_fit
-from linjax.linearize import (ADAPTERS, COMBINES, CONV_INITS, FLA_DEFAULT_SCALE, GATES, KERNELS, MIXERS,
-                              LinearizeConfig, mixer_names)
+from linjax.linearize import (
+    ADAPTERS,
+    COMBINES,
+    CONV_INITS,
+    FLA_DEFAULT_SCALE,
+    GATES,
+    KERNELS,
+    MIXERS,
+    LinearizeConfig,
+    mixer_names,
+)
 from linjax.train.sharding import maybe_initialize_distributed
 
 # Exit status of every error linjax reports as one line (argparse uses it for its own); a traceback means a bug.

@@ -21,14 +21,19 @@ import os
 import time
 
 from linjax.app import watchdog
-from linjax.app.arguments import (names_list, non_negative_int, optional_positive_ints, positive_float, positive_int,
-                                  positive_ints)
+from linjax.app.arguments import (
+    names_list,
+    non_negative_int,
+    optional_positive_ints,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
 from linjax.eval import approx, diagnostics, lambada, lm_eval_bridge, ruler, select_layers
 from linjax.eval.models import load_model
 from linjax.eval.perplexity import summary, text_windows, window_scores
 from linjax.files import refuse_overlap, write_json
 from linjax.linearize import RETAIN_SCORES
-
 
 # The arguments of `linjax eval` subcommands that name something they read.
 INPUT_ARGUMENTS = ("models", "model", "source", "teacher", "student", "data", "data_dir", "haystack", "scores")
@@ -273,7 +278,8 @@ def add_eval_parser(sub) -> None:
     p.set_defaults(func=_lambada, watched="linjax eval lambada")
 
     p = evals.add_parser("lm-eval", help="downstream tasks (piqa, arc_easy, ..., mmlu) with lm-evaluation-harness")
-    p.add_argument("model", metavar="MODEL", help="an exported HF directory, smollm2-135m, a checkpoint or run directory")
+    p.add_argument("model", metavar="MODEL",
+                   help="an exported HF directory, smollm2-135m, a checkpoint or run directory")
     p.add_argument("--tasks", type=names_list, required=True,
                    help="comma-separated: piqa,arc_easy,arc_challenge,hellaswag,winogrande,mmlu,lambada_openai")
     p.add_argument("--data-dir", help="local benchmark files (the data folder's layout); default: lm-eval's hub tasks")
@@ -299,6 +305,7 @@ def add_eval_parser(sub) -> None:
                         "not linjax's export code; without this flag only linjax's own modeling files run")
     p.add_argument("--no-shared-prefixes", action="store_true",
                    help="score with lm-eval's HFLM as is (padded batches of whole requests) instead of computing "
-                        "each shared context prefix once; the same numbers, slower on CPU (see eval/shared_prefix_lm.py)")
+                        "each shared context prefix once; the same numbers, slower on CPU "
+                        "(see eval/shared_prefix_lm.py)")
     watchdog.add_argument(p)
     p.set_defaults(func=_lm_eval, watched="linjax eval lm-eval")

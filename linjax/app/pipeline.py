@@ -32,9 +32,9 @@ from linjax.eval import approx, lm_eval_bridge, ruler
 from linjax.eval.data import data_dir, data_file
 from linjax.eval.perplexity import perplexity, token_windows
 from linjax.eval.report import write_report
+from linjax.experiment import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 from linjax.files import read_json, write_json, writer_lock
 from linjax.train.loop import refuse_overlap_with_inputs, run_history
-from linjax.experiment import OPERATIONAL, describe_changes, flat_settings, matches, setting_changes
 
 STAGES = ("convert", "train", "perplexity", "approx", "lm_eval", "ruler", "report")
 
