@@ -71,7 +71,9 @@ TRAIN = [("smollm2-135m", 1, 4096, "recipe", 1), ("smollm2-135m", 4, 4096, "reci
          ("smollm2-135m", 4, 4096, "floor", 1), ("smollm2-135m", 1, 16384, "floor", 1),
          ("llama-3.1-8b", 1, 4096, "recipe", 1), ("llama-3.1-8b", 1, 4096, "floor", 1),
          ("llama-3.1-8b", 2, 4096, "recipe", 1), ("llama-3.1-8b", 4, 4096, "recipe", 1),
-         ("llama-3.1-8b", 8, 4096, "recipe", 1), ("llama-3.1-8b", 8, 4096, "recipe", 8)]
+         ("llama-3.1-8b", 8, 4096, "recipe", 1), ("llama-3.1-8b", 16, 4096, "recipe", 1),
+         ("llama-3.1-8b", 32, 4096, "recipe", 1), ("llama-3.1-8b", 1, 8192, "recipe", 1),
+         ("llama-3.1-8b", 8, 4096, "recipe", 8)]
 
 
 def catalogue(guard: bool = False) -> list[dict]:
@@ -182,8 +184,7 @@ def _in_child(program: dict, limit: float) -> dict:
                     problems=[f"does not compile: exit {done.returncode}: {tail}"])
 
 
-def run_all(args, selected: list[dict]) -> list[dict]:
-    rows = []
+def run_all(args, selected: list[dict], rows: list[dict]) -> list[dict]:
     for program in selected:
         start = time.perf_counter()
         # --guard compiles in this process (a few seconds of imports saved per program); a full run gives
@@ -207,6 +208,7 @@ def parse_args(argv=None):
     p.add_argument("--only", default="", help="only the programs whose name starts with this")
     p.add_argument("--guard", action="store_true", help="small shapes for CI; exit 1 if any program has a problem")
     p.add_argument("--list", action="store_true", help="print the programs' names and exit")
+    p.add_argument("--append", action="store_true", help="add the programs not yet in --out's compile.jsonl to it")
     p.add_argument("--limit", type=float, default=900, help="seconds one program may take (default 900)")
     p.add_argument("--program", help=argparse.SUPPRESS)  # one program, in a child process
     return p.parse_args(argv)
@@ -232,12 +234,19 @@ def main(argv=None) -> int:
     if not args.out and not args.guard:
         sys.stderr.write("compile_gpu: --out DIR is needed (or --guard)\n")
         return 2
+    done = []
     if args.out:
-        if os.path.exists(os.path.join(args.out, "compile.jsonl")):
-            sys.stderr.write(f"compile_gpu: {args.out} already holds a run (compile.jsonl); choose another --out\n")
+        existing = os.path.join(args.out, "compile.jsonl")
+        if os.path.exists(existing) and not args.append:
+            sys.stderr.write(f"compile_gpu: {args.out} already holds a run (compile.jsonl); choose another --out, "
+                             "or --append the programs it lacks\n")
             return 2
+        if os.path.exists(existing):
+            with open(existing) as f:
+                done = [json.loads(line) for line in f if line.strip()]
+            selected = [p for p in selected if p["name"] not in {r["program"] for r in done}]
         os.makedirs(args.out, exist_ok=True)
-    rows = run_all(args, selected)
+    rows = run_all(args, selected, done)[len(done):]
     failed = [r for r in rows if r["problems"]]
     if failed:
         print("\n".join(f"PROBLEM {r['program']}: {'; '.join(r['problems'])}" for r in failed), flush=True)

@@ -1,7 +1,7 @@
 # On a lent GPU machine, after bench/lent_gpu/setup.sh has had both halves of the model: train and evaluate
 # claims rows until DEADLINE seconds after the start, then stop the runs (SIGTERM saves a checkpoint) and
 # pack results/runs/ROW (and its stages) into $OUT.   bash bench/lent_gpu/claims.sh DEADLINE JOBS ROW...
-# CELLS="PATTERN ..." also runs the retention grid beside them (results/retention.py run --only PATTERN,
+# CELLS="PATTERN ..." also runs the retention grid beside them (experiments/retention.py run --only PATTERN,
 # one process per pattern, each cell in turn) and copies the cells finished by the deadline to $OUT/retention.
 start=$SECONDS; deadline=$1; jobs=$2; shift 2
 bash bench/lent_gpu/setup.sh || exit 1
@@ -10,12 +10,12 @@ export PYTHONPATH=/tmp/site JAX_DEFAULT_MATMUL_PRECISION=${PREC:-highest} JAX_CO
 echo "setup took $((SECONDS - start)) s"
 # The CPU rows' settings unless CLAIMS_SETTINGS says otherwise (say, adding --set train.remat=none after
 # bench/lent_gpu/probe.py has timed it).
-python3 results/claims.py run "$@" --jobs $jobs \
+python3 experiments/claims.py run "$@" --jobs $jobs \
   ${CLAIMS_SETTINGS:---set model.dtype=float32 --set linearize.kernel=chunked} > $OUT/claims.log 2>&1 &
 pid=$!
 touch /tmp/cells-start; mkdir -p $OUT/retention
-set -f  # the patterns are results/retention.py's, not the shell's
-for pattern in ${CELLS:-}; do python3 results/retention.py run --only "$pattern" >> $OUT/retention/cells.log 2>&1 & done
+set -f  # the patterns are experiments/retention.py's, not the shell's
+for pattern in ${CELLS:-}; do python3 experiments/retention.py run --only "$pattern" >> $OUT/retention/cells.log 2>&1 & done
 set +f
 while [ -n "$(jobs -rp)" ] && (( SECONDS - start < deadline )); do  # the rows' chains and the cells
   sleep 15
