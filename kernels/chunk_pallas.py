@@ -64,7 +64,8 @@ def _chunk_attention(q, k, v, log_gate, beta, state, scale, chunk, out_dtype, in
 def _chunk_attention_fwd(q, k, v, log_gate, beta, state, scale, chunk, out_dtype, interpret):
     out, (b, intra, states, new_values) = _forward(q, k, v, log_gate, beta, state, scale=scale, chunk=chunk,
                                                    dtype=v.dtype, out_dtype=out_dtype, interpret=interpret)
-    return out, (q, k, v, log_gate, beta, b, intra, states, new_values)
+    # Ũ is read by the forward only (the backward goes through U = Ũ − W S): not kept.
+    return out, (q, k, v, log_gate, beta, b, intra._replace(u_tilde=None), states, new_values)
 
 
 def _chunk_attention_bwd(scale, chunk, out_dtype, interpret, saved, cotangents):
