@@ -186,7 +186,7 @@ def swap_lines() -> list[str]:
 def report() -> None:
     from linjax.files import write_text
 
-    lines = ["# Does the linear state remember the distant text? (issue 38)", "",
+    lines = ["# Does the linear state remember the distant text?", "",
              "Made by `python experiments/distant_context.py report`. The final recipe is "
              f"`results/runs/{FINAL}` (seed 1); window-only is sinks 8 + window 56 softmax with no state, "
              "untrained; the original is SmolLM2-135M with full attention.", "",

@@ -478,7 +478,7 @@ def report_text() -> str:
     measured = {cell: read_cell(cell) for cell in grid()}
     by_name = {cell.name: m for cell, m in measured.items()}
     written = sum(isinstance(m, Measured) for m in measured.values())
-    lines = ["# Retained tokens on S-NIAH at a fixed cache budget (issue 37)", "",
+    lines = ["# Retained tokens on S-NIAH at a fixed cache budget", "",
              "Made by `python experiments/retention.py report` from the cells in `results/retention/` (the grid and "
              "the commands are in its docstring; `python experiments/retention.py run` runs the missing ones). "
              f"Each cell: `linjax eval ruler`, {SAMPLES} samples, seed {SEED}, greedy, scored by string match. "

@@ -9,12 +9,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import linear_mechanisms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 
 
+@pytest.mark.slow  # every part in its own process: about a minute; CI runs it with the other slow tests
 def test_smoke_run_writes_every_part(tmp_path):
     out = tmp_path / "check"
     subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], check=True, cwd=tmp_path, timeout=900)

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from linjax.kernels import gdn, gla, kgla, linear_attn, swa
+from linjax.kernels import gdn, gla, kgla, swa
+from linjax.linearize import LINEAR_MIXERS
+from tests.helpers import linear_mechanisms
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 B, T, H, HKV = 1, 200, 4, 2
@@ -41,18 +43,26 @@ def shapes(dtype, D, *, beta=False, scalar_gate=False, T=T):
     return args
 
 
+def registry_shapes(mech, dtype, D, T=T):
+    """The shapes of the registry's example inputs of `mech` (its features, gates) at B, T, H, HKV, D."""
+    make = lambda key: LINEAR_MIXERS[mech].example_inputs(key, B, T, H, HKV, D, dtype)  # noqa: E731
+    return list(jax.eval_shape(make, jax.random.key(0)))
+
+
 STATES_FWD, STATES_BWD = "linjax_chunk_states_fwd", "linjax_chunk_states_bwd"
 FORWARD = ("linjax_chunk_scores", STATES_FWD, "linjax_chunk_output_fwd")
 DELTA_FORWARD = ("linjax_chunk_scores", "linjax_chunk_solve_wy", STATES_FWD, "linjax_chunk_output_fwd")
 BACKWARD = (STATES_BWD, "linjax_chunk_state_grads", "linjax_chunk_score_grads")
 DELTA_BACKWARD = BACKWARD + ("linjax_chunk_wy_grads",)
-CASES = {
-    "gla": (lambda *a: gla.pallas(*a, interpret=False), {}, FORWARD),
-    "kgla": (lambda *a: kgla.pallas(*a, interpret=False), {"beta": True}, FORWARD),
-    "gdn": (lambda *a: gdn.pallas(*a, interpret=False), {"beta": True}, DELTA_FORWARD),
-    "gdn_scalar_gate": (lambda *a: gdn.pallas(*a, interpret=False), {"beta": True, "scalar_gate": True},
-                        DELTA_FORWARD),
-}
+def registry_case(mech):
+    """(pallas function, input-shape settings, the Triton kernels its forward runs) for a mechanism of the
+    registry: the delta rule's kernels (gdn.py) add the solve to the additive rule's."""
+    mixer = LINEAR_MIXERS[mech]
+    delta = mixer.kernel_module is gdn
+    return (lambda *a: mixer.kernel_module.pallas(*a, interpret=False)), mech, DELTA_FORWARD if delta else FORWARD
+
+
+CASES = {mech: registry_case(mech) for mech in linear_mechanisms()}
 
 
 def triton_kernels(text):
@@ -63,15 +73,9 @@ def triton_kernels(text):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mech", list(CASES))
 def test_linear_kernels_lower_to_triton(mech, dtype):
-    fn, extra, kernel_names = CASES[mech]
-    text = exported_text(fn, *shapes(jnp.dtype(dtype), 128, **extra))
+    fn, _, kernel_names = CASES[mech]
+    text = exported_text(fn, *registry_shapes(mech, jnp.dtype(dtype), 128))
     assert text.count(TRITON_CALL) == len(kernel_names) and triton_kernels(text) == set(kernel_names)
-
-
-def test_linear_attn_lowers_to_triton():
-    q, k, v = shapes(jnp.bfloat16, 64)[:3]
-    text = exported_text(lambda *a: linear_attn.pallas(*a, interpret=False), q, k, v)
-    assert text.count(TRITON_CALL) == len(FORWARD) and triton_kernels(text) == set(FORWARD)
 
 
 @pytest.mark.parametrize("sinks, window", [(8, 56), (0, 64), (70, 5)])
@@ -148,8 +152,8 @@ def linear_kernel_program(mech, dtype, T=T):
     if mech == "gdn_backward":
         loss = lambda *a: jnp.sum(gdn.pallas(*a, interpret=False)[0].astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), shapes(dtype, 64, beta=True, T=T)
-    fn, extra, _ = CASES[mech]
-    return fn, shapes(dtype, 64, T=T, **extra)
+    fn, _, _ = CASES[mech]
+    return fn, registry_shapes(mech, dtype, 64, T=T)
 
 
 LINEAR_KERNELS = [*CASES, "gla_backward", "gdn_backward"]

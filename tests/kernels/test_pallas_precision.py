@@ -16,7 +16,9 @@ import jax.extend.core
 import jax.numpy as jnp
 import pytest
 
-from linjax.kernels import gdn, gla, kgla, swa
+from linjax.kernels import swa
+from linjax.linearize import LINEAR_MIXERS
+from tests.helpers import linear_mechanisms
 
 B, T, H, HKV, D = 1, 100, 4, 2, 64
 
@@ -42,18 +44,18 @@ def kernel_dots(jaxpr) -> list:
 
 
 def inputs(dtype, mech):
-    keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (B, T, H, D)).astype(dtype)
-    k, v = (jax.random.normal(key, (B, T, HKV, D)).astype(dtype) for key in keys[1:3])
-    log_alpha = jax.nn.log_sigmoid(jax.random.normal(keys[3], (B, T, H, D)) + 2)
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H)))
-    return {"gla": (gla, (q, k, v, log_alpha)), "gdn": (gdn, (q, k, v, log_alpha, beta)),
-            "gdn_scalar_gate": (gdn, (q, k, v, log_alpha[..., 0], beta)), "kgla": (kgla, (q, k, v, log_alpha, beta)),
-            "swa": (swa, (q, k, v))}[mech]
+    """(kernel module, inputs): each linear mechanism of the registry on its example inputs, and sinks + window."""
+    if mech == "swa":
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (B, T, H, D)).astype(dtype)
+        k, v = (jax.random.normal(key, (B, T, HKV, D)).astype(dtype) for key in keys[1:])
+        return swa, (q, k, v)
+    mixer = LINEAR_MIXERS[mech]
+    return mixer.kernel_module, mixer.example_inputs(jax.random.key(0), B, T, H, HKV, D, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mech", ["gla", "gdn", "gdn_scalar_gate", "kgla", "swa"])
+@pytest.mark.parametrize("mech", [*linear_mechanisms(), "swa"])
 def test_kernel_dots_accumulate_in_fp32_at_full_precision(mech, dtype):
     module, args = inputs(jnp.dtype(dtype), mech)
     settings = dict(sinks=8, window=56) if mech == "swa" else {}
