@@ -1,6 +1,7 @@
 """Issue 37's retention grid: S-NIAH with retained tokens against the same cache budget without them.
 
     python experiments/retention.py run [--only PATTERN] [--dry-run]   # the missing cells, one `linjax eval ruler` each
+    python experiments/retention.py run --fresh | --prose               # the fresh-prompt or natural-text cells
     python experiments/retention.py perplexity [--windows N]           # WikiText-2 with retention on and off
     python experiments/retention.py lambada [--limit N]                # LAMBADA with retention on and off
     python experiments/retention.py report                             # results/retention.md from the cells written
@@ -19,9 +20,14 @@ per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv 
     window-only    SmolLM2-135M as sinks 8 + window 120 (or 248) softmax, no linear state
     original       SmolLM2-135M with full attention (one cell per task and length: it has no budget)
 
-Each cell is results/retention/<variant>-<budget>-<task>-<length>.json (budget "full" for the original,
-task niah1/niah2/niah3), as `linjax eval ruler --out` writes it (after every sample); `run` skips a cell
-whose file is complete and goes on with a partial one (`--resume`), so it can be stopped and started again.
+`--fresh`: the headline S-NIAH-1 cells again on prompts never used in development (seed 1, 100 each).
+`--prose`: S-NIAH-2 with WikiText-2's test articles as the haystack, text no trained model here saw (the
+essays are training text), for the original model, window-only and each score in blocks of 8
+(final-keynorm-block8: as final-keynorm, 8 at a time), 50 prompts of seed 1 at 1,024 and 2,048 tokens.
+
+Each cell is results/retention/<variant>-<budget>-<task>-<length>[-seed<S>][-<haystack>].json (budget "full"
+for the original, task niah1/niah2/niah3), as `linjax eval ruler --out` writes it (after every sample); `run`
+skips a cell whose file is complete and goes on with a partial one (`--resume`), so it can be stopped and started again.
 `report` reads whatever cells exist; a file whose settings are not the cell's is shown as such and counts as
 not run.
 
@@ -74,6 +80,13 @@ SAMPLES, SEED = 20, 0
 FRESH_SEED, FRESH_SAMPLES = 1, 100
 FRESH_LENGTHS = (2048, 4096)
 FRESH_VARIANTS = ("final-recall-block8", "trained-recall-block8", "window-only")
+# S-NIAH-2 in a haystack that is not linjax's training text: the claims rows (and so the trained models here)
+# train on web text and on the Paul Graham essays that are S-NIAH-2's default haystack; WikiText-2's test file
+# is in no training set of the project. Prompts of FRESH_SEED; one budget, each score in blocks of 8.
+PROSE_HAYSTACK = "wikitext"
+PROSE_LENGTHS = (1024, 2048)
+PROSE_BUDGET, PROSE_SAMPLES = 128, 50
+PROSE_VARIANTS = ("original", "window-only", "final-recall-block8", "final-keynorm-block8", "trained-recall-block8")
 
 # name -> (what it is, the model argument, retained-token score or None for no retention, window only?)
 VARIANTS = {
@@ -81,6 +94,7 @@ VARIANTS = {
     "final-keynorm": ("final recipe + retained by key norm", TRAINED_RUN, "key_norm", False),
     "final-recall-block8": ("final recipe + retained by recall, 8 at a time (block-aligned window)", TRAINED_RUN,
                             "recall", False),
+    "final-keynorm-block8": ("final recipe + retained by key norm, 8 at a time", TRAINED_RUN, "key_norm", False),
     "trained-recall-block8": ("final recipe trained with 64 retained in blocks of 8, read so", RETAIN_TRAINED_RUN,
                               "recall", False),
     "final": ("final recipe, no retention (window = budget − 8)", TRAINED_RUN, None, False),
@@ -88,8 +102,11 @@ VARIANTS = {
     "original": ("original model (full attention)", ORIGINAL, None, False),
 }
 
+# the grid's variants (the others are read only in the natural-text cells)
+GRID_VARIANTS = tuple(v for v in VARIANTS if v != "final-keynorm-block8")
+
 # variant -> retain_block (`linjax eval ruler --retain-block`); every other variant selects token by token
-BLOCKS = {"final-recall-block8": 8, "trained-recall-block8": 8}
+BLOCKS = {"final-recall-block8": 8, "final-keynorm-block8": 8, "trained-recall-block8": 8}
 
 # WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
 PPL_WINDOWS = 64  # the claims rows' 64 windows of experiments/claims.py's SEQ_LEN tokens
@@ -114,11 +131,13 @@ class Cell:
     length: int
     seed: int = SEED  # the prompts' seed; another than SEED names the cell with it
     samples: int = SAMPLES
+    haystack: str | None = None  # a key of haystack_files(); None: the task's default (the essays); names the cell
 
     @property
     def name(self) -> str:
         fresh = "" if self.seed == SEED else f"-seed{self.seed}"
-        return f"{self.variant}-{self.budget or 'full'}-{self.task}-{self.length}{fresh}"
+        haystack = f"-{self.haystack}" if self.haystack else ""
+        return f"{self.variant}-{self.budget or 'full'}-{self.task}-{self.length}{fresh}{haystack}"
 
     @property
     def path(self) -> str:
@@ -154,14 +173,21 @@ class Cell:
             args += ["--retain", str(self.retain), "--retain-score", score]
         if self.variant in BLOCKS:
             args += ["--retain-block", str(BLOCKS[self.variant])]
+        if self.haystack:
+            args += ["--haystack", os.path.relpath(haystack_files()[self.haystack], ROOT)]
         return args + ["--out", os.path.relpath(self.path, ROOT), "--resume"]
+
+
+def haystack_files() -> dict:
+    """Haystack name -> its file, for cells that do not use the task's default haystack."""
+    return {PROSE_HAYSTACK: claims_module().WIKITEXT}
 
 
 def grid() -> list[Cell]:
     """Every cell, the claim's first (so a partial run decides it soonest), then budget by budget."""
     cells = [Cell("original", None, task, length) for task in TASKS for length in LENGTHS]
     cells += [Cell(variant, budget, task, length) for budget in RETAINED for task in TASKS for length in LENGTHS
-              for variant in VARIANTS if variant != "original"]
+              for variant in GRID_VARIANTS if variant != "original"]
     claim = {claim_cells()["retention"], claim_cells()["window-only"]}
     return sorted(cells, key=lambda c: c not in claim)  # a stable sort: the rest keep their order
 
@@ -185,10 +211,18 @@ def fresh_grid() -> list[Cell]:
             for budget in RETAINED for variant in FRESH_VARIANTS]
 
 
-def run(only: str | None = None, dry_run: bool = False, fresh: bool = False) -> list[Cell]:
+def prose_grid() -> list[Cell]:
+    """S-NIAH-2 with the needle in WikiText-2's articles (PROSE_HAYSTACK): the original model, window-only and
+    each retention score at PROSE_BUDGET, PROSE_SAMPLES prompts of seed FRESH_SEED per cell, shorter first."""
+    return [Cell(variant, None if variant == "original" else PROSE_BUDGET, "niah2", length, FRESH_SEED,
+                 PROSE_SAMPLES, PROSE_HAYSTACK) for length in PROSE_LENGTHS for variant in PROSE_VARIANTS]
+
+
+def run(only: str | None = None, dry_run: bool = False, fresh: bool = False, prose: bool = False) -> list[Cell]:
     """Runs every missing cell whose name matches `only` (a shell pattern, e.g. 'final-recall-128-*') of the
-    grid, or with `fresh` of the fresh-prompt cells; returns the cells run (or, with `dry_run`, that would be)."""
-    cells = fresh_grid() if fresh else grid()
+    grid, with `fresh` of the fresh-prompt cells, with `prose` of the natural-text haystack's; returns the
+    cells run (or, with `dry_run`, that would be)."""
+    cells = fresh_grid() if fresh else prose_grid() if prose else grid()
     todo = [c for c in cells if read_cell(c) is None and (not only or fnmatch.fnmatchcase(c.name, only))]
     if only and not any(fnmatch.fnmatchcase(c.name, only) for c in cells):
         sys.exit(f"--only {only!r} matches no cell; cell names look like final-recall-128-niah1-2048 "
@@ -408,6 +442,9 @@ def read_cell(cell: Cell):
         wrong.append(f"{len(results)} results (one expected)")
     elif results[0].get("samples") != cell.samples:
         wrong.append(f"{results[0].get('samples')} samples scored (the grid: {cell.samples})")
+    if cell.haystack and os.path.basename(str(settings.get("haystack"))) != \
+            os.path.basename(haystack_files()[cell.haystack]):
+        wrong.append(f"haystack {settings.get('haystack')!r} (the grid: {haystack_files()[cell.haystack]!r})")
     if wrong:
         return "not the grid's settings: " + "; ".join(wrong)
     return Measured(float(results[0]["accuracy"]), int(results[0]["samples"]))
@@ -490,7 +527,7 @@ def report_text() -> str:
              "(`ruler/gkamradt_PaulGrahamEssays`), which every claims row, the trained models here included, "
              "trains on.", "",
              "A cell: accuracy (correct / samples) [95% Wilson interval].", ""]
-    variants = list(VARIANTS)
+    variants = list(GRID_VARIANTS)
     for budget, retained in RETAINED.items():
         lines += [f"## Total cache budget {budget} tokens per layer and kv head", "",
                   f"With retention: sinks {SINKS} + window {WINDOW} + {retained} retained. Without: sinks {SINKS} + "
@@ -555,7 +592,7 @@ def report_text() -> str:
         beats = retention.interval[0] > window_only.interval[1]
         lines.append(f"- weaker, not the issue's claim: retention by recall beats window-only with non-overlapping "
                      f"95% intervals: **{'holds' if beats else 'undecided (intervals overlap)'}**")
-    lines += [""] + fresh_lines() + perplexity_lines() + lambada_lines()
+    lines += [""] + fresh_lines() + prose_lines() + perplexity_lines() + lambada_lines()
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -596,6 +633,35 @@ def fresh_lines() -> list[str]:
     return lines + [""]
 
 
+def prose_lines() -> list[str]:
+    """The report's natural-text section: S-NIAH-2 with WikiText-2 as the haystack, each cell with its Wilson
+    interval, and each retention score against window-only on the same prompts."""
+    lines = ["## S-NIAH-2 in a haystack that is not training text", "",
+             f"The needle in WikiText-2's test articles instead of the Paul Graham essays the trained rows train on; "
+             f"{PROSE_SAMPLES} prompts of seed {FRESH_SEED} per cell, total cache {PROSE_BUDGET} tokens per layer and "
+             "kv head (with retention: sinks 8 + window 56 + 64 retained, chosen 8 at a time; window-only: sinks 8 + "
+             "window 120); the original model keeps every token (`python experiments/retention.py run --prose`). "
+             "A cell: accuracy (correct / samples) [95% Wilson interval].", "",
+             "| length | " + " | ".join(VARIANTS[v][0] for v in PROSE_VARIANTS) + " |",
+             "|---|" + "---|" * len(PROSE_VARIANTS)]
+    cells = {(c.variant, c.length): c for c in prose_grid()}
+    measured = {key: read_cell(c) for key, c in cells.items()}
+    for length in PROSE_LENGTHS:
+        lines.append(f"| {length:,} | " + " | ".join(cell_text(measured[v, length]) for v in PROSE_VARIANTS) + " |")
+    if not any(isinstance(m, Measured) for m in measured.values()):
+        return lines + ["", "Not run yet: `python experiments/retention.py run --prose`.", ""]
+    lines.append("")
+    for length in PROSE_LENGTHS:
+        for variant in PROSE_VARIANTS:
+            if variant in ("original", "window-only"):
+                continue
+            paired = paired_samples_text(VARIANTS[variant][0], cells[variant, length], "window-only",
+                                         cells["window-only", length])
+            if paired:
+                lines.append(f"- {length:,} tokens: {paired}")
+    return lines + [""]
+
+
 def report() -> str:
     path = write_text(REPORT, report_text())
     print(f"wrote {os.path.relpath(path, ROOT)}")
@@ -608,8 +674,11 @@ def main(argv=None):
     runner = sub.add_parser("run", help="run the missing cells, one `linjax eval ruler` call each")
     runner.add_argument("--only", help="a shell pattern on cell names, e.g. 'final-recall-128-*' or '*-niah1-2048'")
     runner.add_argument("--dry-run", action="store_true", help="print the commands without running them")
-    runner.add_argument("--fresh", action="store_true", help=f"the headline cells on fresh prompts (seed "
-                        f"{FRESH_SEED}, {FRESH_SAMPLES} each) instead of the grid")
+    which = runner.add_mutually_exclusive_group()
+    which.add_argument("--fresh", action="store_true", help=f"the headline cells on fresh prompts (seed "
+                       f"{FRESH_SEED}, {FRESH_SAMPLES} each) instead of the grid")
+    which.add_argument("--prose", action="store_true", help="S-NIAH-2 with WikiText-2's test articles as the "
+                       "haystack (not training text) instead of the grid")
     scorer = sub.add_parser("perplexity", help="WikiText-2 with retention on and off, resumable")
     scorer.add_argument("--windows", type=int, default=PPL_WINDOWS, help=f"windows to score (default {PPL_WINDOWS})")
     lambada_parser = sub.add_parser("lambada", help="LAMBADA with retention on and off, resumable")
@@ -618,7 +687,7 @@ def main(argv=None):
     sub.add_parser("report", help="write results/retention.md from the cells written")
     args = parser.parse_args(argv)
     if args.command == "run":
-        run(args.only, args.dry_run, args.fresh)
+        run(args.only, args.dry_run, args.fresh, args.prose)
     elif args.command == "perplexity":
         if args.windows < 1:
             parser.error(f"--windows must be at least 1, got {args.windows}")

@@ -327,3 +327,54 @@ def test_the_fresh_cells_are_the_headline_cells_on_another_seed_with_more_prompt
     assert (args.samples, args.seed) == (grid.FRESH_SAMPLES, grid.FRESH_SEED)
     assert cell.expected_settings()["samples"] == grid.FRESH_SAMPLES
     assert "Not run yet: `python experiments/retention.py run --fresh`." in grid.report_text()
+
+
+def write_prose_cell(grid, cell, scores, haystack):
+    """A natural-text cell's JSON as `linjax eval ruler --haystack` writes it, one score per prompt."""
+    os.makedirs(grid.CELLS, exist_ok=True)
+    with open(cell.path, "w") as f:
+        json.dump({"model": grid.VARIANTS[cell.variant][1],
+                   "settings": {"retain_score": "recall", **cell.expected_settings(), "haystack": haystack},
+                   "results": [{"task": grid.TASKS[cell.task], "length": cell.length, "variant": "v",
+                                "accuracy": sum(scores) / len(scores), "samples": len(scores)}],
+                   "samples": [{"depth": i / len(scores), "score": float(s)} for i, s in enumerate(scores)]}, f)
+
+
+def test_the_prose_cells_put_the_needle_in_wikitext_with_each_score_in_blocks(grid):
+    cells = grid.prose_grid()
+    assert len(cells) == 2 * len(grid.PROSE_VARIANTS) == 10
+    names = {c.name for c in cells}
+    assert names.isdisjoint(c.name for c in grid.grid() + grid.fresh_grid())  # their own files
+    assert "original-full-niah2-1024-seed1-wikitext" in names
+    keynorm = next(c for c in cells if c.name == "final-keynorm-block8-128-niah2-2048-seed1-wikitext")
+    args = build_parser().parse_args(["eval", *keynorm.arguments()])
+    assert args.haystack.endswith("wikitext-2-raw-v1.test.nonblank.raw")
+    assert (args.retain_score, args.retain_block, args.retain) == ("key_norm", 8, 64)
+    assert (args.samples, args.seed, args.tasks) == (grid.PROSE_SAMPLES, grid.FRESH_SEED, ["niah_single_2"])
+    # the key-norm variant in blocks reads only in these cells, not in the grid's tables
+    assert "final-keynorm-block8" not in {c.variant for c in grid.grid()}
+    assert "final-keynorm-block8" not in grid.report_text().split("## S-NIAH-2 in a haystack")[0]
+
+
+def test_a_prose_cell_scored_on_the_essays_is_not_the_grids(grid):
+    cell = next(c for c in grid.prose_grid() if c.variant == "window-only" and c.length == 1024)
+    write_prose_cell(grid, cell, [True] * 5 + [False] * 45, "/data/ruler/PaulGrahamEssays.json")
+    assert "haystack" in grid.read_cell(cell) and "not the grid's settings" in grid.read_cell(cell)
+    write_prose_cell(grid, cell, [True] * 5 + [False] * 45, "/x/wikitext/wikitext-2-raw-v1.test.nonblank.raw")
+    assert grid.read_cell(cell).accuracy == pytest.approx(0.1)
+
+
+def test_the_prose_report_pairs_each_score_with_window_only(grid):
+    assert "Not run yet: `python experiments/retention.py run --prose`." in grid.report_text()
+    wikitext = "/x/wikitext-2-raw-v1.test.nonblank.raw"
+    cells = {(c.variant, c.length): c for c in grid.prose_grid()}
+    window = [i < 5 for i in range(50)]
+    recall = [i < 3 or 10 <= i < 20 for i in range(50)]  # 3 of window-only's 5, and 10 it misses
+    write_prose_cell(grid, cells["window-only", 1024], window, wikitext)
+    write_prose_cell(grid, cells["final-recall-block8", 1024], recall, wikitext)
+    text = grid.report_text().split("## S-NIAH-2 in a haystack")[1].split("\n## ")[0]
+    assert "Not run yet" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| 1,024 |"))
+    assert "5/50" in row and "13/50" in row and row.count("not run") == 3
+    paired = next(line for line in text.splitlines() if line.startswith("- 1,024 tokens:") and "recall" in line)
+    assert "10 answered by the first only, 2 by the second only" in paired
