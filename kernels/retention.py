@@ -24,6 +24,19 @@ Pure functions, one kv head's slots independent of another's:
     merge(a, b) -> SoftmaxParts                           two parts over disjoint keys as one
     key_norm(k) -> scores                                 ‖k‖ of the pretrained key
     recall_error(state, k, v, log_alpha, normalized) -> scores   LoLA's ‖v − Sᵀk‖ / ‖v‖, now
+    received_mass(scores, mask, row_max, row_sum) -> mass   the softmax probability keys received
+
+The scores (`SCORES`, the setting `retain_score`):
+
+    "recall"     recall_error against the state the token would enter; the retained tokens
+                 re-scored at every step against the current state
+    "key_norm"   ‖k‖ of the pretrained key, fixed at admission
+    "attention"  the attention mass the token received while it was in the window (H2O /
+                 SnapKV-style), fixed at admission: the sum over the queries that saw it in the
+                 window of its probability in their joint softmax over sinks ∪ window ∪ retained,
+                 averaged over the query heads of its kv head. SinksWindow keeps the running sums
+                 (`SinksWindowCache.mass`, adding `received_mass` after every query) and reads
+                 them when the token leaves (`SinksWindow.leaving_mass`).
 
 An entry is every array that travels with a token into a slot: the pretrained k and
 v the softmax reads, and the linear inputs (k', v', gates) written into the state if
@@ -41,7 +54,7 @@ import jax.numpy as jnp
 from linjax.kernels.contract import default_scale, expand_kv_heads
 from linjax.kernels.swa import SoftmaxParts
 
-SCORES = ("recall", "key_norm")
+SCORES = ("recall", "key_norm", "attention")
 
 _MASKED = -1e30  # as swa._MASKED: a finite "−inf" keeps the row max finite
 
@@ -223,3 +236,17 @@ def recall_error(state, k, v, log_alpha=None, *, normalized: bool = False, eps: 
     # max, not + eps: against an empty state every token scores exactly 1 (ties keep the older)
     error = jnp.linalg.norm(v32 - recalled, axis=-1) / jnp.maximum(jnp.linalg.norm(v32, axis=-1), eps)
     return error.reshape(error.shape[:2] + (Hkv, H // Hkv)).mean(-1)
+
+
+def received_mass(scores, mask, row_max, row_sum):
+    """The "attention" score's increment: the softmax probability each of K keys received from n queries,
+    summed over the queries and averaged over the G query heads of each kv head, [B, K, Hkv] fp32.
+
+    scores [B, Hkv, G, n, K]: scale · q·k as the softmax computed them; mask: which of them the softmax
+    read, broadcastable to scores; row_max, row_sum [B, Hkv, G, n]: the statistics of the whole joint
+    softmax (sinks, window and retained keys), so a probability is normalised by its own row's sum, not
+    by this block's and not with the linear term. Not differentiated: a score only ranks tokens.
+    """
+    scores, row_max, row_sum = jax.lax.stop_gradient((scores, row_max, row_sum))
+    p = jnp.where(mask, jnp.exp(scores - row_max[..., None]), 0.0) / row_sum[..., None]
+    return jnp.moveaxis(p.sum(axis=3).mean(axis=2), 1, 2)

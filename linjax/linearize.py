@@ -118,7 +118,8 @@ class LinearizeConfig:
         into the linear state. 0 (the default) is the final recipe as it was. No new parameters, so
         any trained run can be read with it; with it on, every mode runs token by token.
     retain_score: what a leaving token is scored by: "recall" (LoLA's self-recall error
-        ‖v − Sᵀk‖ / ‖v‖ against the state it would enter) or "key_norm" (‖k‖, no state needed).
+        ‖v − Sᵀk‖ / ‖v‖ against the state it would enter), "key_norm" (‖k‖, no state needed) or
+        "attention" (the softmax mass it received while in the window, as H2O / SnapKV).
     feature_map: what GLA's kernel reads of q and k: "l2" (the default, the paper's L2 normalisation)
         or "softmax" (Liger-GLA's softmax over the head dimension; with `linear_rope` false, as Liger).
     linear_rope: whether the linear part's q and k carry RoPE (the default, as the window's do). False:

@@ -43,7 +43,9 @@ def jitted_mixer(mixer):
 
 def simulate(inputs, *, sinks, window, retain, score, scale):
     """The layer with retained tokens, one token at a time, with Python sets and a float64 delta rule.
-    Returns (y [T, H, Dv], retained positions per step and kv head), asserting the partition."""
+    Returns (y [T, H, Dv], retained positions per step and kv head, masses [T, T, Hkv]: after each step,
+    the softmax probability every position has received from the queries that saw it in the window,
+    averaged over the query heads), asserting the partition."""
     q, k, v, lq, lk, lv, log_alpha, beta = (np.asarray(a, np.float64)[0] for a in inputs)
     T, H, Dk = q.shape
     Hkv = k.shape[1]
@@ -52,6 +54,7 @@ def simulate(inputs, *, sinks, window, retain, score, scale):
     held = [[] for _ in range(Hkv)]  # (score, position) per kv head
     in_state = [set() for _ in range(Hkv)]
     ys, history = np.zeros((T, H, v.shape[-1])), []
+    received, masses = np.zeros((T, Hkv)), []
     for t in range(T):
         leaving = t - window
         decayed = S * np.exp(log_alpha[leaving] if leaving >= 0 else 0.0)[..., None]
@@ -63,6 +66,8 @@ def simulate(inputs, *, sinks, window, retain, score, scale):
                                             / max(np.linalg.norm(lv[j, g]), 1e-6) for h in range(g * G, (g + 1) * G)])
                 if score == "key_norm":
                     s = np.linalg.norm(k[leaving, g])
+                elif score == "attention":  # fixed once in a slot: the held tokens keep theirs
+                    s = received[leaving, g]
                 else:
                     s = recall(leaving)
                     held[g] = [(recall(j), j) for _, j in held[g]]
@@ -95,16 +100,20 @@ def simulate(inputs, *, sinks, window, retain, score, scale):
                 logits = k[attended, g] @ q[t, h] / np.sqrt(Dk)
                 p = np.exp(logits - logits.max())
                 ys[t, h] = p @ v[attended, g] / p.sum() + scale * lq[t, h] @ S[h]
-    return ys, history
+                for j, pj in zip(attended, p / p.sum()):  # the full softmax's probabilities, in the window only
+                    received[j, g] += pj / G if j in window_set else 0.0
+        masses.append(received.copy())
+    return ys, history, np.stack(masses)
 
 
-@pytest.mark.parametrize("score", ["recall", "key_norm"])
+@pytest.mark.parametrize("score", ["recall", "key_norm", "attention"])
 def test_every_token_is_in_one_place_and_the_layer_matches_a_brute_force_simulation(base, score):
     model = linjax.linearize(base, gdn_settings(retain=RETAIN, retain_score=score), seed=1)
     mixer = model.layers[0].attn
     x, positions, inputs = layer_inputs(mixer, 18, base.config.hidden_size)
-    expected, history = simulate(inputs, sinks=SINKS, window=WINDOW, retain=RETAIN, score=score, scale=mixer.scale)
-    assert_decode_matches(mixer, x, positions, expected, history)
+    expected, history, masses = simulate(inputs, sinks=SINKS, window=WINDOW, retain=RETAIN, score=score,
+                                         scale=mixer.scale)
+    assert_decode_matches(mixer, x, positions, expected, history, masses if score == "attention" else None)
 
 
 def layer_inputs(mixer, T: int, hidden: int):
@@ -118,18 +127,70 @@ def layer_inputs(mixer, T: int, hidden: int):
     return x, positions, (q, k, v, lq, lk, v, log_alpha, beta)
 
 
-def assert_decode_matches(mixer, x, positions, expected, history):
+def assert_decode_matches(mixer, x, positions, expected, history, masses=None):
     """Decoding x token by token holds the simulation's retained positions (per kv head) and gives its
-    outputs at every step; the slots fill and the kv heads keep different tokens."""
+    outputs at every step; the slots fill and the kv heads keep different tokens. With `masses` (the
+    "attention" score), the cache's ring of masses holds the simulation's at every step: slot r the
+    mass of the latest position ≡ r (mod window), still in the window or left at the last boundary."""
     assert any(len(h[0]) == RETAIN for h in history) and history[-1][0] != history[-1][1]
     step, params = jitted_mixer(mixer)
     state = mixer.init_state(1, x.shape[1])
+    W = mixer.sinks_window.window
     for t in range(x.shape[1]):
         out, state = step(params, x[:, t:t + 1], positions[:, t:t + 1], state)
         held = np.asarray(state.window.retained.position[0])  # [R, Hkv]
         assert [sorted(p for p in held[:, g] if p >= 0) for g in range(held.shape[1])] == history[t], t
+        if masses is not None:
+            ring_position = t - (t - np.arange(W)) % W
+            want = np.where(ring_position[:, None] >= 0, masses[t][np.maximum(ring_position, 0)], 0.0)
+            np.testing.assert_allclose(np.asarray(state.window.mass[0]), want, atol=1e-6, err_msg=str(t))
         want = mixer.proj.out(jnp.asarray(expected[t][None, None], jnp.float32), mixer.lora)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=1e-4)
+
+
+def test_with_one_slot_the_token_that_received_the_most_attention_is_retained(base):
+    """R = 1 and the "attention" score: after every step the slot holds, per kv head, the token that
+    received the largest softmax mass (from the full probabilities, brute force) of all the tokens that
+    have left the window, the older among equals; and the cache holds a mass ring only for this score."""
+    model = linjax.linearize(base, gdn_settings(retain=1, retain_score="attention"), seed=4)
+    mixer = model.layers[0].attn
+    # Tokens 6, 9 and 12 scaled up draw more attention, so the slot changes hands (else the first token
+    # to leave keeps it: it was seen by the smallest softmaxes, when the window was not yet full).
+    x, positions, _ = layer_inputs(mixer, 16, base.config.hidden_size)
+    x = x.at[:, jnp.array([6, 9, 12])].multiply(8.0)
+    q, k, v = mixer.proj.qkv(x, positions, mixer.lora)
+    lq, lk = mixer.features(q, k)
+    inputs = (q, k, v, lq, lk, v, *mixer.gates(x, lk))
+    _, _, masses = simulate(inputs, sinks=SINKS, window=WINDOW, retain=1, score="attention", scale=mixer.scale)
+    step, params = jitted_mixer(mixer)
+    state = mixer.init_state(1, x.shape[1])
+    kept = set()
+    for t in range(x.shape[1]):
+        _, state = step(params, x[:, t:t + 1], positions[:, t:t + 1], state)
+        left = np.arange(SINKS, t - WINDOW + 1)  # the tokens that have left the window (not sinks)
+        if len(left):
+            # a token's mass is final once it has left: read it at the last step
+            best = left[np.argmax(masses[-1][left], axis=0)]
+            assert np.asarray(state.window.retained.position[0, 0]).tolist() == best.tolist(), t
+            kept |= set(best.tolist())
+    assert len(kept) >= 3  # the slot changed hands
+    assert linjax.linearize(base, gdn_settings(retain=1)).init_states(1, 8)[0].window.mass is None
+
+
+def test_received_mass_is_the_joint_softmaxs_probability_summed_over_queries_and_averaged_over_heads():
+    """retention.received_mass against jax.nn.softmax over every key a query reads: the probabilities of
+    one block of keys, normalised by the whole row (the other keys too), masked where not read."""
+    B, Hkv, G, n, K, other = 2, 2, 3, 4, 5, 6
+    scores = jax.random.normal(jax.random.key(0), (B, Hkv, G, n, K)) * 3
+    rest = jax.random.normal(jax.random.key(1), (B, Hkv, G, n, other)) * 3  # e.g. sinks and retained keys
+    mask = jax.random.bernoulli(jax.random.key(2), 0.7, (n, K))
+    full = jax.nn.softmax(jnp.concatenate([jnp.where(mask, scores, -jnp.inf), rest], axis=-1), axis=-1)
+    row_max = jnp.maximum(jnp.where(mask, scores, -jnp.inf).max(-1), rest.max(-1))
+    row_sum = (jnp.where(mask, jnp.exp(scores - row_max[..., None]), 0).sum(-1)
+               + jnp.exp(rest - row_max[..., None]).sum(-1))
+    want = np.moveaxis(np.asarray(full[..., :K]).sum(3).mean(2), 1, 2)  # [B, K, Hkv]
+    np.testing.assert_allclose(np.asarray(retention.received_mass(scores, mask, row_max, row_sum)), want,
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_ties_keep_the_older_token_and_empty_slots_fill_first():
@@ -164,7 +225,7 @@ def run_in_pieces(model, tokens, boundaries):
 
 @pytest.mark.parametrize("mechanism,score,conv_on_window", [
     ("gdn", "recall", False), ("gdn", "key_norm", False), ("gla", "recall", False), ("hedgehog", "recall", False),
-    ("gdn", "recall", True)])
+    ("gdn", "recall", True), ("gdn", "attention", False), ("hedgehog", "attention", False)])
 def test_prefill_then_decode_equals_decoding_the_whole_prompt(base, mechanism, score, conv_on_window):
     settings = gdn_settings(mechanism=mechanism, retain=RETAIN, retain_score=score, adapter="shortconv",
                             conv_on_window=conv_on_window)
@@ -224,7 +285,7 @@ def test_a_trained_runs_parameters_load_with_retain_on(base, tmp_path):
     (dict(retain=-1), "retain must be an integer ≥ 0"),
     (dict(retain=True), "retain must be an integer ≥ 0"),
     (dict(retain=2.5), "retain must be an integer ≥ 0"),
-    (dict(retain_score="attention"), "unknown retain_score"),
+    (dict(retain_score="mass"), "unknown retain_score"),
     (dict(retain=4, window=0, sinks=0), "needs window ≥ 1 and a linear mechanism"),
     (dict(retain=4, mechanism="window"), "needs window ≥ 1 and a linear mechanism"),
 ])

@@ -33,8 +33,9 @@ def settings(**changes):
 
 def simulate(inputs, *, sinks, window, retain, block, score, scale):
     """The layer with a block of `block` tokens leaving the window at each boundary, in Python sets and a
-    float64 delta rule. Returns (y [T, H, Dv], retained positions per step and kv head), asserting the
-    partition at every step."""
+    float64 delta rule. Returns (y [T, H, Dv], retained positions per step and kv head, masses [T, T, Hkv]
+    as test_retention.simulate's: the probability each position received from the queries that saw it in
+    the block-aligned window), asserting the partition at every step."""
     q, k, v, lq, lk, lv, log_alpha, beta = (np.asarray(a, np.float64)[0] for a in inputs)
     T, H, Dk = q.shape
     Hkv = k.shape[1]
@@ -44,6 +45,7 @@ def simulate(inputs, *, sinks, window, retain, block, score, scale):
     in_state = [set() for _ in range(Hkv)]
     gate = lambda p: log_alpha[p] if p >= 0 else 0.0  # before the sequence: no decay
     ys, history = np.zeros((T, H, v.shape[-1])), []
+    received, masses = np.zeros((T, Hkv)), []
     for t in range(T):
         if t % block == 0:  # a boundary: positions t − w .. t − w + C − 1 leave
             leaving = range(t - window, t - window + block)
@@ -53,8 +55,10 @@ def simulate(inputs, *, sinks, window, retain, block, score, scale):
             for g in range(Hkv):
                 recall = lambda j: np.mean([np.linalg.norm(lv[j, g] - lk[j, g] @ decayed[h])
                                             / max(np.linalg.norm(lv[j, g]), 1e-6) for h in range(g * G, (g + 1) * G)])
-                rate = (lambda j: np.linalg.norm(k[j, g])) if score == "key_norm" else recall
-                pool = [(s if score == "key_norm" else rate(j), j) for s, j in held[g]]
+                # "attention": the i-th leaving token was seen by window − i queries; scaled to `window`
+                attention = lambda j: received[j, g] * window / (window - (j - leaving[0]))
+                rate = {"key_norm": lambda j: np.linalg.norm(k[j, g]), "attention": attention}.get(score, recall)
+                pool = [(s if score in ("key_norm", "attention") else rate(j), j) for s, j in held[g]]
                 pool += [(rate(p), p) for p in leaving if p >= sinks]
                 pool.sort(key=lambda e: (-e[0], e[1]))  # higher score first, then the older
                 held[g] = pool[:retain]
@@ -80,17 +84,21 @@ def simulate(inputs, *, sinks, window, retain, block, score, scale):
                 logits = k[attended, g] @ q[t, h] / np.sqrt(Dk)
                 p = np.exp(logits - logits.max())
                 ys[t, h] = p @ v[attended, g] / p.sum() + scale * lq[t, h] @ S[h]
-    return ys, history
+                for j, pj in zip(attended, p / p.sum()):  # the full softmax's probabilities, in the window only
+                    received[j, g] += pj / G if j in window_set else 0.0
+        masses.append(received.copy())
+    return ys, history, np.stack(masses)
 
 
-@pytest.mark.parametrize("block,score", [(2, "recall"), (4, "recall"), (2, "key_norm")])
+@pytest.mark.parametrize("block,score", [(2, "recall"), (4, "recall"), (2, "key_norm"), (2, "attention"),
+                                         (4, "attention")])
 def test_every_token_is_in_one_place_and_the_layer_matches_a_brute_force_simulation(base, block, score):
     model = linjax.linearize(base, settings(retain_block=block, retain_score=score), seed=1)
     mixer = model.layers[0].attn
     x, positions, inputs = layer_inputs(mixer, 22, base.config.hidden_size)
-    expected, history = simulate(inputs, sinks=SINKS, window=WINDOW, retain=RETAIN, block=block, score=score,
-                                 scale=mixer.scale)
-    assert_decode_matches(mixer, x, positions, expected, history)
+    expected, history, masses = simulate(inputs, sinks=SINKS, window=WINDOW, retain=RETAIN, block=block,
+                                         score=score, scale=mixer.scale)
+    assert_decode_matches(mixer, x, positions, expected, history, masses if score == "attention" else None)
     whole = mixer(x[:, :20], positions[:, :20])  # training: blocks scanned, no cache
     np.testing.assert_allclose(np.asarray(whole[0]), np.asarray(mixer.proj.out(
         jnp.asarray(expected[:20], jnp.float32)[None], mixer.lora))[0], atol=2e-5, rtol=1e-4)
@@ -114,11 +122,13 @@ def test_select_keeps_the_best_and_writes_the_rest_in_position_order():
         True, True, False]  # the invalid candidate (8) is never kept nor written
 
 
-@pytest.mark.parametrize("mechanism", ["gdn", "gla", "hedgehog"])
-def test_any_split_of_a_sequence_gives_the_same_outputs(base, mechanism):
+@pytest.mark.parametrize("mechanism,score", [("gdn", "recall"), ("gla", "recall"), ("hedgehog", "recall"),
+                                             ("gdn", "attention")])
+def test_any_split_of_a_sequence_gives_the_same_outputs(base, mechanism, score):
     """Training (no cache), decode token by token, and prefill pieces that start inside a block or at a
     boundary, in any sizes: one model, one set of outputs."""
-    model = linjax.linearize(base, settings(mechanism=mechanism, retain_block=4, adapter="shortconv"), seed=2)
+    model = linjax.linearize(base, settings(mechanism=mechanism, retain_block=4, adapter="shortconv",
+                                            retain_score=score), seed=2)
     tokens = jax.random.randint(jax.random.key(4), (2, 27), 0, base.config.vocab_size)
     one_by_one = run_in_pieces(model, tokens, range(28))
     pieces = run_in_pieces(model, tokens, [0, 8, 11, 19, 27])  # 8 at a boundary, 3, then 8 inside a block
@@ -147,10 +157,11 @@ def test_training_reads_blocks_whatever_the_length(base, length):
     assert max(scan_lengths(jax.make_jaxpr(lambda t: model(t))(tokens).jaxpr)) == length // 4
 
 
-def test_training_with_retained_blocks_has_finite_gradients_for_the_new_parameters(base):
+@pytest.mark.parametrize("score", ["recall", "attention"])
+def test_training_with_retained_blocks_has_finite_gradients_for_the_new_parameters(base, score):
     from linjax.layers import Trainable
 
-    model = linjax.linearize(base, settings(retain_block=2, adapter="shortconv"), seed=3)
+    model = linjax.linearize(base, settings(retain_block=2, adapter="shortconv", retain_score=score), seed=3)
     graphdef, trainable, rest = nnx.split(model, Trainable, ...)
     tokens = jax.random.randint(jax.random.key(5), (1, 16), 0, base.config.vocab_size)
 

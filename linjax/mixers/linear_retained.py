@@ -122,8 +122,8 @@ def _block_piece(mixer, carry, piece):
 
 
 def _block_boundary(mixer, linear, window):
-    """The C tokens leaving the window and the R retained ones compete for the R slots (scored against
-    the state they would enter: the current one after the block's decay); the C others are written into
+    """The C tokens leaving the window and the R retained ones compete for the R slots (by "recall", scored
+    against the state they would enter: the current one after the block's decay); the C others are written into
     the state in position order, one per step with the leaving tokens' decays, so the state decays as
     without retention and only what it stores changes."""
     (leaving_k, leaving_v), leaving, position, valid = mixer.sinks_window.leaving_block(window)
@@ -132,6 +132,8 @@ def _block_boundary(mixer, linear, window):
     retained = window.retained
     if mixer.sinks_window.retain_score == "key_norm":
         score = retention.key_norm(leaving_k)
+    elif mixer.sinks_window.retain_score == "attention":  # the held tokens keep their scores (leaving_mass)
+        score = mixer.sinks_window.leaving_mass(window)
     else:
         total = None if decay is None else decay.sum(axis=1)
         recall = lambda keys, values: retention.recall_error(linear, keys, values, total,

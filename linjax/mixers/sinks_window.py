@@ -30,6 +30,11 @@ the window is block-aligned, so every query of block j (positions jC .. jC + C �
 positions from (j + 1)·C − w on, between w − C + 1 and w of them, and at each block boundary the C
 tokens that fall out compete with the retained ones at once (retention.select). The cache holds at
 most s + w + R tokens, as with token-by-token selection, and the mixer scans blocks instead of tokens.
+
+With `retain_score` "attention" the cache also keeps, per window slot and kv head, the softmax mass
+its token has received so far (`SinksWindowCache.mass`): every query adds its probabilities over the
+window (in the joint softmax with the sinks and the retained tokens), and `leaving_mass` reads a
+token's total when it leaves.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class SinksWindowCache(NamedTuple):
     linear_inputs: tuple | None = None  # rings [B, w, ...] of the linear inputs (k', v', *gates) still
     #                                     in the window; None when there is no linear term
     retained: retention.RetainedCache | None = None
+    mass: jax.Array | None = None  # retain_score "attention": a ring [B, w, Hkv] fp32, the softmax mass the
+    #                                token in each window slot has received so far (averaged over query heads)
 
     @property
     def length(self) -> jax.Array:
@@ -120,7 +127,10 @@ class SinksWindow(nnx.Module):
             travelling = [jax.ShapeDtypeStruct((batch,) + s.shape[2:], s.dtype)
                           for i, s in enumerate(linear_inputs) if i not in stays]
             retained = retention.empty(batch, self.retain, kv_heads, (one, one, *travelling))
-        return SinksWindowCache(softmax, rings, retained)
+        mass = None
+        if self.retain and self.retain_score == "attention":
+            mass = jnp.zeros((batch, self.window, kv_heads), jnp.float32)
+        return SinksWindowCache(softmax, rings, retained, mass)
 
     def __call__(self, q, k, v, *, linear_inputs: tuple = (), cache: SinksWindowCache | None = None):
         """(softmax parts or None, shifted linear inputs, cache after these tokens or None).
@@ -168,10 +178,12 @@ class SinksWindow(nnx.Module):
         q, k, v [B, 1, H(kv), D]: the pretrained projections after RoPE; linear_inputs (k', v', *gates)
         [B, 1, ...] of this token. The token at position t − w leaves the window now. If it is not a sink
         it is scored and offered a slot (retention.admit). `retain_score` "key_norm" needs no state;
-        "recall" calls `recall(k', v', decay)` ([B, N, ...] → [B, N, Hkv]: the mixer's state asked how
-        badly it would recall N tokens written into it at this step) for the leaving token and again
-        for every retained one, whose scores are replaced: a token kept when the state was empty (all
-        score 1 then) must give way once the state recalls it better than a newcomer.
+        "attention" reads the mass the token received in the window (`leaving_mass`), and this query's
+        probabilities over the window are added to the ring of masses; "recall" calls
+        `recall(k', v', decay)` ([B, N, ...] → [B, N, Hkv]: the mixer's state asked how badly it would
+        recall N tokens written into it at this step) for the leaving token and again for every
+        retained one, whose scores are replaced: a token kept when the state was empty (all score 1
+        then) must give way once the state recalls it better than a newcomer.
         Returns (softmax parts over sinks ∪ window ∪ retained [B, 1, H, ...], linear inputs for the
         kernel's step, cache after the token). The kernel's inputs are those of the token written into
         the state (the evicted or the refused one; key zeroed when there is none), except those at
@@ -182,12 +194,14 @@ class SinksWindow(nnx.Module):
         leaving = swa.leaving_window(cache.linear_inputs, t, sinks=self.sinks)  # key zeroed for a sink
         rings = tuple(swa.write_ring(ring, x, t) for ring, x in zip(cache.linear_inputs, linear_inputs))
         parts, softmax = swa.step(q[:, 0], k[:, 0], v[:, 0], cache.softmax)
-        written, retained = leaving, cache.retained
+        written, retained, mass = leaving, cache.retained, cache.mass
         if retained is not None:
             slot = lambda ring: jax.lax.dynamic_slice_in_dim(ring, t % self.window, 1, axis=1)[:, 0]
             softmax_entry = (slot(cache.softmax.ring_k), slot(cache.softmax.ring_v))
             if self.retain_score == "key_norm":
                 score = retention.key_norm(softmax_entry[0])
+            elif self.retain_score == "attention":
+                score = self.leaving_mass(cache)[:, 0]
             else:
                 decay = leaving[stays[0]][:, 0] if stays else None
                 score = recall(leaving[0], leaving[1], decay)[:, 0]
@@ -201,8 +215,43 @@ class SinksWindow(nnx.Module):
             written[0] = jnp.where(entry_valid[:, None, :, None], written[0], jnp.zeros((), written[0].dtype))
             parts = retention.merge(parts, retention.attend(q[:, 0], retained.entries[0], retained.entries[1],
                                                             retained.position))
+            if mass is not None:
+                mass = self._mass_after_step(q[:, 0], softmax, parts, mass, t)
         parts = jax.tree.map(lambda a: a[:, None], parts)
-        return parts, tuple(written), SinksWindowCache(softmax, rings, retained)
+        return parts, tuple(written), SinksWindowCache(softmax, rings, retained, mass)
+
+    def _mass_after_step(self, q, softmax: WindowCache, parts: SoftmaxParts, mass, t):
+        """The ring of masses after query t (q [B, H, Dk]; `softmax` the window cache with token t in it;
+        `parts` the joint softmax over sinks ∪ window ∪ retained): slot t mod w, which held the token
+        that has just left (already scored), starts again at 0 for token t, then every window token
+        gets its probability in this query's softmax (token t its own)."""
+        B, H, Dk = q.shape
+        Hkv, W = softmax.ring_k.shape[2], self.window
+        ring_position = t - (t - jnp.arange(W)) % W  # as swa.step: t − w + 1 .. t, negative before the start
+        qg = q.astype(jnp.float32).reshape(B, Hkv, H // Hkv, Dk)
+        scores = Dk ** -0.5 * jnp.einsum("bkgd,brkd->bkgr", qg, softmax.ring_k.astype(jnp.float32))
+        per_query = lambda x: x.reshape(B, Hkv, H // Hkv, 1)  # [B, H] -> [B, Hkv, G, n = 1]
+        received = retention.received_mass(scores[:, :, :, None], ring_position >= self.sinks,
+                                           per_query(parts.row_max), per_query(parts.row_sum))
+        return jnp.where((jnp.arange(W) == t % W)[None, :, None], 0.0, mass) + received
+
+    def leaving_mass(self, cache: SinksWindowCache):
+        """The "attention" scores [B, C, Hkv] of the C = `retain_block` tokens leaving the window now
+        (positions L − w .. L − w + C − 1, L = cache.length a multiple of C): the mass each received
+        while in the window, scaled to w queries. Token by token (C = 1) every token is seen by the w
+        queries p .. p + w − 1 before it leaves, so this is the plain sum. In blocks the window is
+        block-aligned: the i-th leaving token (position p = L − w + i) was seen by the queries p .. L − 1,
+        w − i of them, so it is scaled by w / (w − i) (w times its mean probability per query): the first
+        tokens of a block are not favoured for having been seen by up to C − 1 more queries.
+
+        The score is then fixed in its slot (no more mass added, no re-scoring): a retained token still
+        draws attention through the retained softmax, but adding it would let a held token's total grow
+        without bound while a newcomer brings the mass of w queries only, so the first tokens admitted
+        would keep their slots for good. Fixed, every score counts w queries and newcomers compete with
+        the held tokens on equal footing."""
+        C, W = self.retain_block, self.window
+        position = cache.length - W + jnp.arange(C)
+        return jnp.take(cache.mass, position % W, axis=1) * (W / (W - jnp.arange(C)))[None, :, None]
 
     def leaving_block(self, cache: SinksWindowCache):
         """At a block boundary (cache.length L a multiple of `retain_block` C): the C tokens that leave the
@@ -247,7 +296,14 @@ class SinksWindow(nnx.Module):
         blocks.append((scale * einsum("bnkgd,brkd->bkgnr", qg, retained.entries[0]), held,
                        lambda p: einsum("bkgnr,brke->bkgne", p, retained.entries[1])))
         numerator, row_max, row_sum = swa.softmax_blocks(blocks)
+        mass = cache.mass
+        if mass is not None:  # "attention": the probabilities of the ring's and the new tokens' keys, in their slots
+            (ring_scores, ring_mask, _), (new_scores, new_mask, _) = blocks[1], blocks[2]
+            ring = retention.received_mass(ring_scores, ring_mask, row_max, row_sum)
+            # The new tokens' slots held tokens that have left (scored at the last boundary) and that none of
+            # these queries saw (ring_seen), so the new tokens' masses replace theirs.
+            mass = swa.write_ring(mass + ring, retention.received_mass(new_scores, new_mask, row_max, row_sum), L)
         to_tokens = lambda x: jnp.moveaxis(x.reshape((B, H, n) + x.shape[4:]), 1, 2)  # [B,Hkv,G,n,..] -> [B,n,H,..]
         parts = SoftmaxParts(to_tokens(numerator), to_tokens(row_max), to_tokens(row_sum))
         rings = tuple(swa.write_ring(ring, x, L) for ring, x in zip(cache.linear_inputs, linear_inputs))
-        return parts, SinksWindowCache(softmax, rings, retained)
+        return parts, SinksWindowCache(softmax, rings, retained, mass)
