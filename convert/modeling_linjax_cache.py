@@ -93,9 +93,12 @@ class LinearLayerCache(LayerCache):
         self.conv = None  # {"q","k","v"}: short-conv inputs of the last K − 1 tokens [B,K−1,C] (fp32)
         self.window = KeyValueCache(sinks, window) if window else None  # the sinks' and the window's k, v
         self.shifted = None  # [k', v', *gates] of the last `window` tokens, oldest first [B,window,...]
+        # retain_score "attention": the softmax mass each of the last `window` tokens has received (averaged
+        # over query heads), oldest first [B,window,Hkv] fp32 (linjax's SinksWindowCache.mass)
+        self.mass = None
 
     def tensors(self):
-        return {"recurrent": self.recurrent, "conv": self.conv, "shifted": self.shifted}
+        return {"recurrent": self.recurrent, "conv": self.conv, "shifted": self.shifted, "mass": self.mass}
 
     def map_tensors(self, fn):
         super().map_tensors(fn)
@@ -104,7 +107,7 @@ class LinearLayerCache(LayerCache):
                 part.map_tensors(fn)
 
     def reset(self):
-        self.recurrent = self.conv = self.shifted = self.retained = None
+        self.recurrent = self.conv = self.shifted = self.retained = self.mass = None
         if self.window is not None:
             self.window.reset()
 

@@ -47,7 +47,7 @@ from .modeling_linjax_kernels import (
 from .modeling_linjax_retention import SCORES as RETAIN_SCORES
 from .modeling_linjax_retention import admit as admit_retained
 from .modeling_linjax_retention import attend as attend_retained
-from .modeling_linjax_retention import key_norm, recall_error
+from .modeling_linjax_retention import key_norm, recall_error, received_mass
 from .modeling_linjax_retention import merge as merge_parts
 from .modeling_linjax_retention import select as select_retained
 
@@ -177,14 +177,18 @@ class LinearAttention(Attention):
         slot, the one evicted or refused is written into the state with the leaving token's decay (the
         state decays as without retention; only what it stores changes), and the retained slots join the
         softmax. Always the recurrent form, one token at a time, so a prefill then decode equals the
-        whole forward. Without a cache a fresh one is used and dropped."""
+        whole forward. Without a cache a fresh one is used and dropped. With the "attention" score each
+        query's probabilities over its window are added to the window tokens' masses (`window_masses`)."""
         if cache is None:
             cache = LinearLayerCache(self.sinks, self.window)
         softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
+        recent_kv = cache.window.latest(self.window, softmax_k[:, :1])
         # The pretrained keys and values of the tokens leaving the window, delayed as the linear inputs are
         # (a sink's key is zeroed there too: sinks are never offered a slot).
-        leaving_kv, _ = shift_linear_inputs([softmax_k, softmax_v], self.sinks, self.window, start,
-                                            cache.window.latest(self.window, softmax_k[:, :1]))
+        leaving_kv, _ = shift_linear_inputs([softmax_k, softmax_v], self.sinks, self.window, start, recent_kv)
+        # "attention": the window's and these tokens' pretrained keys and masses, entry e at position start − w + e
+        joined_k = torch.cat([recent_kv[0].to(softmax_k.dtype), softmax_k], dim=1)
+        mass = self.window_masses(cache, x)
         q, k, v = self.features(q, k, v)
         leaving, cache.shifted = shift_linear_inputs([k.float(), v.float(), *self.gates(x)], self.sinks,
                                                      self.window, start, cache.shifted)
@@ -200,8 +204,9 @@ class LinearAttention(Attention):
         for i, t in enumerate(positions.tolist()):
             token = [a[:, i] for a in leaving]  # the leaving token's (k', v', *gates) [B, heads, ...]
             written = token  # with its key zeroed when no token leaves or it is a sink
-            if t - self.window >= self.sinks:
-                written = self.retain_step(cache, [a[:, i] for a in leaving_kv], token, state, t)
+            if t - self.window >= self.sinks:  # entry i of `mass`: position t − w, which leaves now
+                written = self.retain_step(cache, [a[:, i] for a in leaving_kv], token, state, t,
+                                           None if mass is None else mass[:, i])
             wk, wv, *wgates = (a[:, None] for a in written)
             out, state = self.linear_kernel("recurrent", q[:, i:i + 1].float(), expand_kv(wk, H), expand_kv(wv, H),
                                             wgates, self.scale, state)
@@ -210,6 +215,13 @@ class LinearAttention(Attention):
             if cache.retained is not None:
                 step_parts = merge_parts(step_parts, attend_retained(softmax_q[:, i], cache.retained))
             parts.append(step_parts)
+            if mass is not None:  # the window: positions t − w + 1 .. t, entries i + 1 .. i + w
+                seen = slice(i + 1, i + 1 + self.window)
+                key_position = torch.arange(t - self.window + 1, t + 1, device=x.device)
+                mass[:, seen] += received_mass(softmax_q[:, i], joined_k[:, seen], key_position >= self.sinks,
+                                               step_parts[1], step_parts[2])
+        if mass is not None:
+            cache.mass = mass[:, -self.window:]
         cache.recurrent = state
         parts = tuple(torch.stack(part, dim=1) for part in zip(*parts))
         return self.output(torch.cat(outputs, dim=1), parts, x.dtype)
@@ -220,7 +232,9 @@ class LinearAttention(Attention):
         the C tokens t − w .. t − w + C − 1 leave the block-aligned window together, compete with the
         retained ones (`select`), and the losers are written into the state one per step with the leaving
         tokens' decays; every query of the block then reads the same state and attends to the sinks, the
-        retained tokens and the positions from (t // C + 1)·C − w on."""
+        retained tokens and the positions from (t // C + 1)·C − w on. With the "attention" score each query's
+        probabilities over that window are added to its tokens' masses (`window_masses`), read at the
+        boundary where a token leaves, scaled to w queries (linjax's SinksWindow.leaving_mass)."""
         if cache is None:
             cache = LinearLayerCache(self.sinks, self.window)
         softmax_q, softmax_k, softmax_v, q, k, v = self.window_and_linear_qkv(x, position_ids, cache)
@@ -233,6 +247,7 @@ class LinearAttention(Attention):
         history = cache.shifted or [a.new_zeros((a.shape[0], W) + tuple(a.shape[2:])) for a in inputs]
         joined = [torch.cat([old, new], dim=1) for old, new in zip(history, inputs)]
         cache.shifted = [a[:, -W:] for a in joined]
+        mass = self.window_masses(cache, x)  # entry e: position start − W + e, as in the joined arrays
         positions = token_positions(start, x.shape[1], x.device)
         keys, values, key_positions = cache.window.extend(softmax_k, softmax_v, positions)
         state = cache.recurrent
@@ -242,22 +257,33 @@ class LinearAttention(Attention):
         for i, t in enumerate(positions.tolist()):
             if t % C == 0:
                 leaving = slice(i, i + C)  # positions t − W .. t − W + C − 1 in the joined arrays
+                # the i-th of them was seen by W − i queries (t − W + i .. t − 1): scaled to W
+                scaled = None if mass is None else mass[:, leaving] * (W / (W - torch.arange(C, device=x.device)))[
+                    None, :, None]
                 state = self.block_boundary(cache, [a[:, leaving] for a in joined_kv],
-                                            [a[:, leaving] for a in joined], state, t - W)
+                                            [a[:, leaving] for a in joined], state, t - W, scaled)
             outputs.append(self.scale * torch.einsum("bhd,bhde->bhe", q[:, i].float(), state)[:, None])
             first = (t // C + 1) * C - W
             step = window_softmax_parts(softmax_q[:, i:i + 1], keys, values, positions[i:i + 1], key_positions,
                                         self.sinks, t - first + 1)
             parts.append(merge_parts(tuple(part[:, 0] for part in step), attend_retained(softmax_q[:, i],
                                                                                          cache.retained)))
+            if mass is not None:  # the block-aligned window: positions first .. t
+                seen = slice(first - start + W, i + W + 1)
+                key_position = torch.arange(first, t + 1, device=x.device)
+                mass[:, seen] += received_mass(softmax_q[:, i], joined_kv[0][:, seen], key_position >= self.sinks,
+                                               parts[-1][1], parts[-1][2])
+        if mass is not None:
+            cache.mass = mass[:, -W:]
         cache.recurrent = state
         parts = tuple(torch.stack(part, dim=1) for part in zip(*parts))
         return self.output(torch.cat(outputs, dim=1), parts, x.dtype)
 
-    def block_boundary(self, cache: LinearLayerCache, leaving_kv: list, leaving: list, state, first: int):
+    def block_boundary(self, cache: LinearLayerCache, leaving_kv: list, leaving: list, state, first: int,
+                       mass=None):
         """The C tokens leaving at a block boundary (positions first .. first + C − 1; pretrained k, v and
         linear inputs [B, C, ...]) against the retained slots; returns the state after the losers are
-        written, one per step with the leaving tokens' decays."""
+        written, one per step with the leaving tokens' decays. `mass`: their "attention" scores [B, C, Hkv]."""
         C = leaving[0].shape[1]
         decay = leaving[2] if len(leaving) > 2 else None
         travelling = leaving[:2] + leaving[3:]
@@ -266,6 +292,8 @@ class LinearAttention(Attention):
         slots = cache.retained
         if self.retain_score == "key_norm":
             score = key_norm(leaving_kv[0])
+        elif self.retain_score == "attention":  # fixed in a slot: the held tokens keep theirs
+            score = mass
         else:  # against the state after the block's decay, the held tokens re-scored too
             total = None if decay is None else decay.sum(dim=1)
             recall = lambda k, v: recall_error(state, k, v, total, normalized=self.normalized)
@@ -282,9 +310,11 @@ class LinearAttention(Attention):
         _, state = self.linear_kernel("recurrent", no_query, expand_kv(k, H), expand_kv(v, H), gates, self.scale, state)
         return state
 
-    def retain_step(self, cache: LinearLayerCache, leaving_kv: list, token: list, state, position: int) -> list:
+    def retain_step(self, cache: LinearLayerCache, leaving_kv: list, token: list, state, position: int,
+                    mass=None) -> list:
         """Offers the token leaving the window at this step (pretrained k, v [B,Hkv,D], linear inputs
-        `token`) to the retained slots, scored against `state` (S before this step); returns the linear
+        `token`) to the retained slots, scored against `state` (S before this step), or by the softmax mass
+        it received in the window (`mass` [B,Hkv], the "attention" score); returns the linear
         inputs written into the state: the evicted or refused token's, the leaving token's decay, and a
         zero key where a free slot took the token and nothing is written."""
         decay = token[2] if len(token) > 2 else None
@@ -294,6 +324,8 @@ class LinearAttention(Attention):
         slots = cache.retained
         if self.retain_score == "key_norm":
             score = key_norm(leaving_kv[0])
+        elif self.retain_score == "attention":  # fixed in a slot: the held tokens keep theirs
+            score = mass
         else:  # re-scored every step against the state it would enter now (docs/retention.md, "Scores")
             recall = lambda k, v: recall_error(state, k, v, decay, normalized=self.normalized)
             score = recall(token[0][:, None], token[1][:, None])[:, 0]
@@ -302,6 +334,16 @@ class LinearAttention(Attention):
                                                         position - self.window)
         k = torch.where(written_valid[..., None], k, torch.zeros_like(k))
         return [k, v] + ([decay] if decay is not None else []) + gates
+
+    def window_masses(self, cache: LinearLayerCache, x):
+        """With the "attention" score (else None): the softmax mass received so far by the `window` tokens
+        before x and by x's T tokens (zeros, to be added to), oldest first [B, window + T, Hkv] fp32."""
+        if self.retain_score != "attention":
+            return None
+        B, T = x.shape[:2]
+        held = cache.mass if cache.mass is not None else x.new_zeros(B, self.window, self.num_kv_heads,
+                                                                      dtype=torch.float32)
+        return torch.cat([held, held.new_zeros(B, T, held.shape[2])], dim=1)
 
     def window_and_linear_qkv(self, x, position_ids, cache: LinearLayerCache | None):
         """(the window softmax's q, k, v, then the linear part's before its feature map): the raw post-RoPE

@@ -11,6 +11,7 @@ token at a time, as linjax's SinksWindow.retaining_step does; the slots live in 
 
     key_norm(k) -> scores                                    ‖k‖ of the pretrained key
     recall_error(state, k, v, log_decay, normalized) -> scores    LoLA's ‖v − Sᵀk‖ / ‖v‖, now
+    received_mass(q, keys, seen, row_max, row_sum) -> mass   one query's softmax probabilities of keys
     admit(slots, candidate, score, position) -> (written, written_valid)
     select(slots, candidates, score, position, valid) -> (written, written_valid)   C at once
     attend(q, slots) -> (numerator, row_max, row_sum)        the retained keys' share of the softmax
@@ -26,7 +27,7 @@ import torch
 
 from .modeling_linjax_kernels import MASKED, expand_kv
 
-SCORES = ("recall", "key_norm")
+SCORES = ("recall", "key_norm", "attention")
 
 
 def key_norm(k):
@@ -56,6 +57,21 @@ def recall_error(state, k, v, log_decay=None, *, normalized: bool = False, eps: 
     # clamp, not + eps: against an empty state every token scores exactly 1 (ties keep the older)
     error = torch.sqrt(((v - recalled) ** 2).sum(-1)) / torch.sqrt((v * v).sum(-1)).clamp_min(eps)
     return error.view(*error.shape[:2], Hkv, H // Hkv).mean(-1)
+
+
+def received_mass(q, keys, seen, row_max, row_sum):
+    """The "attention" score's increment (linjax's retention.received_mass): the probability of each of K
+    keys in one query's joint softmax over sinks ∪ window ∪ retained, averaged over the query heads of
+    each kv head. q [B, H, D] (scale D^-1/2); keys [B, K, Hkv, D]; seen [K] bool (the keys the query read
+    in its window); row_max, row_sum [B, H]: the joint softmax's statistics (`merge`'s). Returns
+    [B, K, Hkv] fp32, detached: a score only ranks tokens."""
+    B, H, D = q.shape
+    Hkv = keys.shape[2]
+    G = H // Hkv
+    scores = torch.einsum("bkgd,brkd->bkgr", q.detach().float().view(B, Hkv, G, D), keys.detach().float()) * D ** -0.5
+    scores = scores.masked_fill(~seen, MASKED)
+    p = torch.exp(scores - row_max.detach().view(B, Hkv, G, 1)) / row_sum.detach().view(B, Hkv, G, 1)
+    return p.mean(2).transpose(1, 2)
 
 
 def _per_heads(x, heads: int):

@@ -10,7 +10,8 @@ for 3 slots: tokens are admitted, evicted into the state and refused. The tiny m
 heads on 2 kv heads (GQA).
 
 Checked per score ("recall" with the short conv, "key_norm" with LoRA merged into the projections;
-recall with the short conv on both paths, and chosen two tokens at a time, `retain_block` 2):
+recall with the short conv on both paths, and chosen two tokens at a time, `retain_block` 2; "attention"
+token by token with the short conv, and two at a time with LoRA):
 the full forward against linjax, the same forward token by token with LinjaxCache and as a prefill
 then a chunk then single tokens (each equal to the full forward), greedy generation with the cache
 against recomputing the prefix at every step (so, by the parity, linjax's), and cache shapes that
@@ -34,7 +35,8 @@ PROMPT, NEW_TOKENS = 30, 8
 # case -> (score, adapter, further settings)
 CASES = {"recall": ("recall", "shortconv", {}), "key_norm": ("key_norm", "lora", {}),
          "recall-conv-on-window": ("recall", "shortconv", {"conv_on_window": True}),
-         "recall-block2": ("recall", "shortconv", {"retain_block": 2})}
+         "recall-block2": ("recall", "shortconv", {"retain_block": 2}),
+         "attention": ("attention", "shortconv", {}), "attention-block2": ("attention", "lora", {"retain_block": 2})}
 
 
 def write_retention_cases(root: str):
@@ -86,8 +88,9 @@ def check_retention_results(root: str, results: dict):
 
 
 def test_the_mirrors_scores_and_softmax_parts_match_linjax_kernels():
-    """recall_error (per-channel, per-head and no decay; Hedgehog's [v, 1] state), key_norm and the
-    retained softmax parts merged with another part, on random arrays with 4 query heads on 2 kv heads."""
+    """recall_error (per-channel, per-head and no decay; Hedgehog's [v, 1] state), key_norm, the
+    retained softmax parts merged with another part and the keys' received probabilities in that
+    softmax, on random arrays with 4 query heads on 2 kv heads."""
     import jax.numpy as jnp
     import torch
 
@@ -122,6 +125,14 @@ def test_the_mirrors_scores_and_softmax_parts_match_linjax_kernels():
                                             jnp.asarray(slots.position.numpy(), jnp.int32)))
     for got, expected in zip(mirror.merge((tn, tm, tr), mirror.attend(tq, slots)), want):
         close(got, expected)
+    # The "attention" score's increment: one query's probabilities of R window keys in that joint softmax.
+    seen = np.array([True, False, True])
+    jscores = D ** -0.5 * jnp.einsum("bkgd,brkd->bkgr", jq.reshape(B, Hkv, H // Hkv, D),
+                                     jnp.asarray(slots.keys.numpy()))[:, :, :, None]
+    per_query = lambda x: x.reshape(B, Hkv, H // Hkv, 1)
+    row_max, row_sum = (torch.tensor(np.asarray(x)) for x in want[1:])
+    close(mirror.received_mass(tq, slots.keys, torch.tensor(seen), row_max, row_sum),
+          retention.received_mass(jscores, seen, per_query(want[1]), per_query(want[2])))
 
 
 def test_the_mirrors_admission_keeps_linjaxs_tie_rule():
