@@ -23,7 +23,8 @@ per cell, seed 0, at total cache budgets of 128 and 256 tokens per layer and kv 
 `--fresh`: the headline S-NIAH-1 cells again on prompts never used in development (seed 1, 100 each).
 `--prose`: S-NIAH-2 with WikiText-2's test articles as the haystack, text no trained model here saw (the
 essays are training text), for the original model, window-only and each score in blocks of 8
-(final-keynorm-block8: as final-keynorm, 8 at a time), 50 prompts of seed 1 at 1,024 and 2,048 tokens.
+(final-keynorm-block8: as final-keynorm, 8 at a time; final-attention-block8: retained by the softmax mass a
+token received while in the window, H2O-style, 8 at a time), 50 prompts of seed 1 at 1,024 and 2,048 tokens.
 
 Each cell is results/retention/<variant>-<budget>-<task>-<length>[-seed<S>][-<haystack>].json (budget "full"
 for the original, task niah1/niah2/niah3), as `linjax eval ruler --out` writes it (after every sample); `run`
@@ -86,7 +87,8 @@ FRESH_VARIANTS = ("final-recall-block8", "trained-recall-block8", "window-only")
 PROSE_HAYSTACK = "wikitext"
 PROSE_LENGTHS = (1024, 2048)
 PROSE_BUDGET, PROSE_SAMPLES = 128, 50
-PROSE_VARIANTS = ("original", "window-only", "final-recall-block8", "final-keynorm-block8", "trained-recall-block8")
+PROSE_VARIANTS = ("original", "window-only", "final-recall-block8", "final-keynorm-block8", "final-attention-block8",
+                  "trained-recall-block8")
 
 # name -> (what it is, the model argument, retained-token score or None for no retention, window only?)
 VARIANTS = {
@@ -95,6 +97,8 @@ VARIANTS = {
     "final-recall-block8": ("final recipe + retained by recall, 8 at a time (block-aligned window)", TRAINED_RUN,
                             "recall", False),
     "final-keynorm-block8": ("final recipe + retained by key norm, 8 at a time", TRAINED_RUN, "key_norm", False),
+    "final-attention-block8": ("final recipe + retained by the attention mass received in the window, 8 at a time",
+                               TRAINED_RUN, "attention", False),
     "trained-recall-block8": ("final recipe trained with 64 retained in blocks of 8, read so", RETAIN_TRAINED_RUN,
                               "recall", False),
     "final": ("final recipe, no retention (window = budget − 8)", TRAINED_RUN, None, False),
@@ -103,10 +107,11 @@ VARIANTS = {
 }
 
 # the grid's variants (the others are read only in the natural-text cells)
-GRID_VARIANTS = tuple(v for v in VARIANTS if v != "final-keynorm-block8")
+GRID_VARIANTS = tuple(v for v in VARIANTS if v not in ("final-keynorm-block8", "final-attention-block8"))
 
 # variant -> retain_block (`linjax eval ruler --retain-block`); every other variant selects token by token
-BLOCKS = {"final-recall-block8": 8, "final-keynorm-block8": 8, "trained-recall-block8": 8}
+BLOCKS = {"final-recall-block8": 8, "final-keynorm-block8": 8, "final-attention-block8": 8,
+          "trained-recall-block8": 8}
 
 # WikiText-2 with retention on and off (the issue: "must not get worse by more than the seed spread").
 PPL_WINDOWS = 64  # the claims rows' 64 windows of experiments/claims.py's SEQ_LEN tokens

@@ -342,7 +342,7 @@ def write_prose_cell(grid, cell, scores, haystack):
 
 def test_the_prose_cells_put_the_needle_in_wikitext_with_each_score_in_blocks(grid):
     cells = grid.prose_grid()
-    assert len(cells) == 2 * len(grid.PROSE_VARIANTS) == 10
+    assert len(cells) == 2 * len(grid.PROSE_VARIANTS) == 12
     names = {c.name for c in cells}
     assert names.isdisjoint(c.name for c in grid.grid() + grid.fresh_grid())  # their own files
     assert "original-full-niah2-1024-seed1-wikitext" in names
@@ -352,8 +352,11 @@ def test_the_prose_cells_put_the_needle_in_wikitext_with_each_score_in_blocks(gr
     assert (args.retain_score, args.retain_block, args.retain) == ("key_norm", 8, 64)
     assert (args.samples, args.seed, args.tasks) == (grid.PROSE_SAMPLES, grid.FRESH_SEED, ["niah_single_2"])
     # the key-norm variant in blocks reads only in these cells, not in the grid's tables
-    assert "final-keynorm-block8" not in {c.variant for c in grid.grid()}
-    assert "final-keynorm-block8" not in grid.report_text().split("## S-NIAH-2 in a haystack")[0]
+    attention = next(c for c in cells if c.name == "final-attention-block8-128-niah2-1024-seed1-wikitext")
+    assert build_parser().parse_args(["eval", *attention.arguments()]).retain_score == "attention"
+    for variant in ("final-keynorm-block8", "final-attention-block8"):
+        assert variant not in {c.variant for c in grid.grid()}
+        assert grid.VARIANTS[variant][0] not in grid.report_text().split("## S-NIAH-2 in a haystack")[0]
 
 
 def test_a_prose_cell_scored_on_the_essays_is_not_the_grids(grid):
@@ -375,6 +378,6 @@ def test_the_prose_report_pairs_each_score_with_window_only(grid):
     text = grid.report_text().split("## S-NIAH-2 in a haystack")[1].split("\n## ")[0]
     assert "Not run yet" not in text
     row = next(line for line in text.splitlines() if line.startswith("| 1,024 |"))
-    assert "5/50" in row and "13/50" in row and row.count("not run") == 3
+    assert "5/50" in row and "13/50" in row and row.count("not run") == 4
     paired = next(line for line in text.splitlines() if line.startswith("- 1,024 tokens:") and "recall" in line)
     assert "10 answered by the first only, 2 by the second only" in paired
