@@ -251,7 +251,7 @@ def test_retention_options_reach_the_retained_implementation_only(tiny_hf_dir, t
     args = build_parser().parse_args(["bench", "latency"])
     assert (args.implementations, args.retain, args.retain_score) == (
         ["full", "linearized", "transformers"], None, None)
-    for bad in (["--retain", "0"], ["--retain-score", "attention"]):
+    for bad in (["--retain", "0"], ["--retain-score", "mass"]):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["bench", "latency", *bad])
         assert exit_info.value.code == 2
