@@ -29,21 +29,23 @@ CLAIMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "claims.t
 
 
 def read_claims_file(path: str = CLAIMS_FILE) -> dict:
-    """claims.toml as {"rows", "variants", "untrained", "trained_on", "claims", "scaling", "seed_spread"}; a
-    ValueError naming the problem if a claim, variant or list names a row the file does not define."""
+    """claims.toml as {"rows", "variants", "untrained", "trained_on", "claims", "levers", "scaling",
+    "seed_spread", ...}; a ValueError naming the problem if a claim, lever, variant or list names a row the
+    file does not define."""
     with open(path, "rb") as f:
         raw = tomllib.load(f)
     rows = {row: spec["what"] for row, spec in raw["rows"].items()}
     claims = [(c["claim"], c.get("paper", "—"), c["better"], c["worse"]) for c in raw.get("claims", [])]
+    levers = [(lever["lever"], lever["with"], lever["without"]) for lever in raw.get("levers", [])]
     variants = {row: (spec["base"], dict(spec.get("changes", {}))) for row, spec in raw["rows"].items()
                 if "base" in spec}
-    named = [row for *_, better, worse in claims for row in (better, worse)]
+    named = [row for *_, better, worse in claims + levers for row in (better, worse)]
     named += [base for base, _ in variants.values()]
     named += raw.get("scaling", []) + raw.get("seed_spread", []) + raw.get("readme", [])
     unknown = sorted(set(named) - set(rows))
     if unknown:
         raise ValueError(f"{path}: {', '.join(unknown)} named but not defined under [rows]")
-    return {"rows": rows, "variants": variants, "claims": claims,
+    return {"rows": rows, "variants": variants, "claims": claims, "levers": levers,
             "untrained": {row: spec["model"] for row, spec in raw["rows"].items() if "model" in spec},
             "trained_on": {row: spec["trained_on"] for row, spec in raw["rows"].items() if "trained_on" in spec},
             "short": {row: spec.get("short", spec["what"]) for row, spec in raw["rows"].items()},
@@ -55,6 +57,7 @@ _FILE = read_claims_file()
 ROWS = _FILE["rows"]  # row -> what it is
 VARIANTS = _FILE["variants"]  # row -> (its base row, {"section.key": value}): it changes these settings only
 CLAIMS = _FILE["claims"]  # (claim, the paper's figure, better row, worse row)
+LEVERS = _FILE["levers"]  # (lever, the row with it, the row without it): the levers toward half the gap
 UNTRAINED = _FILE["untrained"]  # row -> the model argument of its evaluations
 # Rows trained on a lent GPU before a run's history named its devices (train/loop.py now records them).
 TRAINED_ON_GPU_UNRECORDED = _FILE["trained_on"]

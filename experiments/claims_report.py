@@ -305,6 +305,42 @@ def gap_lines(shares):
     return lines
 
 
+def lever_lines(windows, shares):
+    """claims.md's section on the levers toward half the gap: what each adds to the share closed (log scale),
+    seed 1 against seed 1 with its interval over the test text, the mean over seeds against the training-seed
+    spread, and the claims' verdict on the pair."""
+    lines = ["", "## The levers toward half the gap", "",
+             "Each lever is a pair of rows that differ in it alone (experiments/claims.toml, `[[levers]]`). What it "
+             "adds: the share of the gap closed (log scale) with it minus without it, in points, seed 1 against "
+             "seed 1, with its 95% interval from resampling articles (the same draws as above); then the difference "
+             "of the two configurations' mean shares over all their seeds against the training-seed spread (the "
+             "claims' threshold, in points of the share), and the claims' verdict on the pair: **helps** when both "
+             "say so, **hurts** when both say the opposite. The contributions are measured one at a time on "
+             "different bases, so they do not add up.", ""]
+    ends = [data.whole_file_log_ppl(row) for row in ("window-w56-s8", "original")]
+    if None in ends:
+        return lines + ["Not yet measured: window-w56-s8 and original both need whole-file results."]
+    gap = ends[0] - ends[1]
+    lines += ["| lever | with vs without: share closed (seed 1) | adds, points [95% interval] | seeds; mean over "
+              "seeds adds, points | seed spread, points | verdict |", "|---|---|---|---|---|---|"]
+    for lever, with_row, without_row in data.LEVERS:
+        reading = claim_reading(with_row, without_row, windows)
+        sides = " vs ".join(f"{100 * shares[r][0][0]:.1f}%" if r in shares else "—" for r in (with_row, without_row))
+        added = seeds = spread = "—"
+        if reading["interval"]:
+            cut = data.common_windows(windows[with_row], windows[without_row], windows["window-w56-s8"],
+                                      windows["original"])
+            added = "{:+.1f} [{:+.1f}, {:+.1f}]".format(*(100 * x for x in stats.gap_share_difference(*cut)))
+        if reading["difference"] is not None:
+            counts = " vs ".join(seed_text(row, rows) for row, rows in zip((with_row, without_row), reading["seeds"]))
+            seeds = f"{counts}; {-100 * reading['difference'] / gap:+.1f}"
+        if reading["threshold"] is not None:
+            spread = f"{100 * reading['threshold'] / gap:.1f}"
+        verdict = {"holds": "helps", "does not hold": "hurts"}.get(reading["verdict"], reading["verdict"])
+        lines.append(f"| {lever} | {with_row} vs {without_row}: {sides} | {added} | {seeds} | {spread} | {verdict} |")
+    return lines
+
+
 def half_gap_ppl():
     """The whole-file perplexity that closes exactly half the gap on the log scale: √(P_window · P_original)."""
     ends = [data.whole_file_log_ppl(row) for row in ("window-w56-s8", "original")]
@@ -536,6 +572,7 @@ def report(readme=README):
     lines += claims_lines(metrics, windows)
     lines += seed_lines(metrics)
     lines += gap_lines(shares)
+    lines += lever_lines(windows, shares)
     lines += training_length_lines(metrics)
     lines += scaling_lines(metrics, counts)
     lines += ablation_lines()

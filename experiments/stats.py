@@ -67,6 +67,17 @@ def gap_closed(row, window, original, draws=BOOTSTRAP_DRAWS, seed=0, scale="log"
     return float((w - r) / (w - o)), float(low), float(high)
 
 
+def gap_share_difference(a, b, window, original, draws=BOOTSTRAP_DRAWS, seed=0):
+    """(point, low, high): how much more of the window-only -> original gap `a` closes than `b`, on the
+    log scale, (L_b − L_a) / (L_window − L_original), all four scored on the same windows, with its 95%
+    interval from resampling articles (`resampled_log_ppl`; every row draws the same articles). It is
+    `gap_closed(a) − gap_closed(b)`, resampled jointly: what one lever adds to the share."""
+    points, samples = resampled_log_ppl([a, b, window, original], draws, seed)
+    (pa, pb, w, o), (sa, sb, sw, so) = points, samples
+    low, high = np.percentile((sb - sa) / (sw - so), [2.5, 97.5])
+    return float((pb - pa) / (w - o)), float(low), float(high)
+
+
 def fmt_interval(interval, scored=None) -> str:
     """"-0.0174 [-0.0211, -0.0135] (ppl ×0.983)", and with `scored` (windows, articles, of) how many windows
     and articles it rests on."""

@@ -144,6 +144,22 @@ def test_the_share_of_the_gap_closed_on_both_scales():
         stats.gap_closed(row, window, original, scale="percent")
 
 
+def test_what_a_lever_adds_to_the_share_is_the_difference_of_the_two_shares_resampled_jointly():
+    with_lever, window = scored_rows(-0.3, seed=5)  # 0.3 nats per token below window-only
+    without_lever = {**with_lever, "nll": list(np.asarray(window["nll"]) - 0.1 * np.asarray(window["tokens"]))}
+    original = {**window, "nll": list(np.asarray(window["nll"]) - 0.6 * np.asarray(window["tokens"]))}
+    point, low, high = stats.gap_share_difference(with_lever, without_lever, window, original)
+    assert point == pytest.approx(stats.gap_closed(with_lever, window, original)[0]
+                                  - stats.gap_closed(without_lever, window, original)[0])
+    assert point == pytest.approx(1 / 3, abs=0.02) and low < point < high and high - low < 0.2
+    # paired: the shares' own intervals are far wider than their difference's, the articles' difficulty cancels
+    assert high - low < np.ptp(stats.gap_closed(with_lever, window, original)[1:])
+    assert stats.gap_share_difference(with_lever, with_lever, window, original) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same windows"):
+        stats.gap_share_difference(with_lever, {**without_lever, "tokens": without_lever["tokens"][::-1][:-1] + [1]},
+                                   window, original)
+
+
 def test_the_training_length_section_compares_the_same_text_at_both_lengths(monkeypatch):
     better_512, window_512 = scored_rows(-0.1, articles=25)
     better_1024, window_1024 = scored_rows(-0.2, articles=25, seed=4)
@@ -180,12 +196,19 @@ def test_the_report_of_the_committed_rows(monkeypatch, tmp_path):
         both_scored = all(claims_data.metrics_of(row)["lambada_examples"] for row in (better, worse))
         assert (lambada != "—") == both_scored
     assert "log scale" in text and "perplexity scale" in text
+    for lever, with_row, without_row in claims_data.LEVERS:  # every lever, with the claims' verdict on its pair
+        line = next(line for line in text.splitlines() if line.startswith(f"| {lever} | {with_row} vs {without_row}"))
+        assert line.strip("| ").split(" | ")[-1].split(" (")[0] in ("helps", "hurts", "undecided"), line
 
 
 def test_the_rows_file_names_only_rows_it_defines(tmp_path):
     (tmp_path / "claims.toml").write_text('[rows.a]\nwhat = "a row"\n\n[[claims]]\nclaim = "a beats b"\n'
                                           'better = "a"\nworse = "b"\n')
     with pytest.raises(ValueError, match="b named but not defined under"):
+        claims_data.read_claims_file(str(tmp_path / "claims.toml"))
+    (tmp_path / "claims.toml").write_text('[rows.a]\nwhat = "a row"\n\n[[levers]]\nlever = "c"\nwith = "a"\n'
+                                          'without = "c"\n')
+    with pytest.raises(ValueError, match="c named but not defined under"):
         claims_data.read_claims_file(str(tmp_path / "claims.toml"))
     (tmp_path / "claims.toml").write_text('[rows.a]\nwhat = "a row"\nmodel = "smollm2-135m"\n')
     read = claims_data.read_claims_file(str(tmp_path / "claims.toml"))
