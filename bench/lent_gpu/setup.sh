@@ -18,6 +18,9 @@ if [ -f /tmp/gguf/part1 ] && [ -f /tmp/gguf/part2 ] && [ ! -f $G ]; then
   mv $G.partial $G
 fi
 if [ -f .gpudata/data.tar.xz ] && [ ! -d shared/data/webtext ]; then tar xJf .gpudata/data.tar.xz; fi
+# The committed first stages (prepare.sh's STAGES), kept in /tmp from the call that carried them.
+if [ -f .gpustages/stages.tar.xz ]; then mkdir -p /tmp/stages && cp .gpustages/stages.tar.xz /tmp/stages/; fi
+if [ -f /tmp/stages/stages.tar.xz ]; then tar xJf /tmp/stages/stages.tar.xz --skip-old-files; fi
 if [ -d shared ]; then ln -sfn "$PWD/shared" ../shared; fi
 python3 - <<'PY'
 import importlib.metadata as m, jax
