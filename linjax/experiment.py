@@ -26,7 +26,7 @@ import tomllib
 from linjax.linearize import FLA_DEFAULT_SCALE, LEGACY_DEFAULTS, LinearizeConfig, adapter_parts
 from linjax.platform import resolve_dtype, targets_cuda
 
-OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer")
+OBJECTIVES = ("ce", "attention_transfer", "ce+attention_transfer", "distillation", "ce+distillation")
 # train.trainable: which of the new parameters a run trains; the others keep the values they start with
 # (fresh, or train.init_from's). "mechanism": the mechanism's own (feature maps, gates, β, output gain);
 # "adapter": the adapter's only (LoRA, short conv). LoLCATs trains its feature maps in an attention-transfer

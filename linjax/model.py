@@ -128,12 +128,20 @@ class CausalLM(nnx.Module):
         input. The blocks run one by one, not scanned: the per-layer outputs and the override are
         Python-level, and the callers (training objective, analyses) are not the hot forward path.
         """
+        return self._run_blocks(tokens, positions, attention)[1]
+
+    def hidden_states_under(self, tokens, attention: AttentionOverride, positions=None):
+        """The final-norm hidden states [B,T,d] with `attention(mixer, h, positions)` in place of every
+        block's mixer: with the frozen softmax attention, the original model's (distillation's teacher)."""
+        return self.norm(self._run_blocks(tokens, positions, attention)[0])
+
+    def _run_blocks(self, tokens, positions, attention):
         x, positions = self._embed(tokens, positions)
         activations = []
         for block in self.layers:
             x, block_activations = block.with_activations(x, positions, attention)
             activations.append(block_activations)
-        return activations
+        return x, activations
 
     def _embed(self, tokens, positions=None, states=None):
         """(token embeddings [B,T,d], positions [B,T]); positions continue after `states`' tokens."""

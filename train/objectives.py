@@ -1,4 +1,4 @@
-"""Training objectives: next-token cross-entropy, and layer-wise attention transfer.
+"""Training objectives: next-token cross-entropy, layer-wise attention transfer, and distillation.
 
 Attention transfer (LoLCATs' first stage; the paper's approximation error is
 the same quantity) matches each linearized block's attention output to the
@@ -6,6 +6,10 @@ frozen softmax attention output of that block on the same input. The inputs
 are the original model's hidden states (the teacher's residual stream), so
 each layer learns to approximate its own softmax attention, independently of
 how well the layers below it do.
+
+Distillation matches the linearized model's next-token distribution to the original model's (the same
+weights on their frozen softmax attention): every position carries the teacher's whole distribution
+instead of one observed token, so a small training text is fitted more slowly.
 """
 
 from __future__ import annotations
@@ -36,17 +40,42 @@ def lm_loss(model, hidden: jax.Array, targets: jax.Array, chunk: int | None = No
     recomputed in the backward: the [B, T, V] fp32 logits are never held at once, only one
     [B, chunk, V] piece (Llama 3 at 4,096 tokens: 2.1 GB of logits and as much for their gradient).
     """
-    T = hidden.shape[1]
-    if chunk is None or chunk >= T:
-        return jnp.mean(cross_entropy(model.logits(hidden).astype(jnp.float32), targets))
-
     def piece_loss(h, t):
         return jnp.sum(cross_entropy(model.logits(h).astype(jnp.float32), t))
 
-    piece_loss = jax.checkpoint(piece_loss, prevent_cse=False)
+    return _mean_over_positions(piece_loss, chunk, hidden, targets)
+
+
+def _mean_over_positions(piece_sum, chunk: int | None, *arrays: jax.Array) -> jax.Array:
+    """sum(piece_sum(pieces)) / (B·T) over `arrays` [B,T,...] cut into `chunk` positions at a time, each
+    piece recomputed in the backward (None: one piece)."""
+    B, T = arrays[0].shape[:2]
+    if chunk is None or chunk >= T:
+        return piece_sum(*arrays) / (B * T)
+    piece_sum = jax.checkpoint(piece_sum, prevent_cse=False)
     edges = list(range(chunk, T, chunk))
-    total = sum(piece_loss(h, t) for h, t in zip(jnp.split(hidden, edges, axis=1), jnp.split(targets, edges, axis=1)))
-    return total / targets.size
+    pieces = zip(*(jnp.split(a, edges, axis=1) for a in arrays))
+    return sum(piece_sum(*piece) for piece in pieces) / (B * T)
+
+
+def distillation_loss(model, tokens: jax.Array, loss_chunk: int | None = None) -> jax.Array:
+    """Mean KL(teacher ‖ student) of the next-token distributions at every position (fp32); the teacher
+    is the original model (`pretrained_attention` in every block, no adapters), its side without a
+    gradient; `loss_chunk` as in `lm_loss`."""
+    teacher = jax.lax.stop_gradient(model.hidden_states_under(tokens, _frozen_softmax))
+    student = model.hidden_states(tokens)
+
+    def piece_kl(s, t):
+        log_p = jax.nn.log_softmax(model.logits(t).astype(jnp.float32), axis=-1)
+        log_q = jax.nn.log_softmax(model.logits(s).astype(jnp.float32), axis=-1)
+        return jnp.sum(jnp.exp(log_p) * (log_p - log_q))
+
+    return _mean_over_positions(piece_kl, loss_chunk, student, teacher)
+
+
+def _frozen_softmax(mixer, h, positions):
+    """Attention override: the block's original attention output, without a gradient."""
+    return jax.lax.stop_gradient(pretrained_attention(mixer.proj, h, positions))
 
 
 def embedding_floor_loss(model, embeddings: jax.Array, tokens: jax.Array, loss_chunk: int | None = None):
@@ -60,11 +89,8 @@ def embedding_floor_loss(model, embeddings: jax.Array, tokens: jax.Array, loss_c
 def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
     """Mean over linearized layers of the MSE between their attention output and softmax attention's."""
     positions = token_positions(tokens)
-
-    def teacher(mixer, h, positions):  # the frozen softmax attention, carried in the residual stream
-        return jax.lax.stop_gradient(pretrained_attention(mixer.proj, h, positions))
-
-    activations = model.attention_activations(tokens, positions, attention=teacher)
+    # The frozen softmax attention, carried in the residual stream.
+    activations = model.attention_activations(tokens, positions, attention=_frozen_softmax)
     losses = []
     # The students run as one scan per run of identical layers, so each linearized mixer and its
     # backward compile once per run, not once per layer (SmolLM2's final recipe, first step at 512
@@ -90,14 +116,17 @@ def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
 
 
 def objective_loss(model, tokens, objective: str, loss_chunk: int | None = None):
-    """(loss, metrics) for 'ce', 'attention_transfer' or 'ce+attention_transfer' (a plain sum);
-    `loss_chunk` as in `lm_loss`."""
+    """(loss, metrics) for an objective of `experiment.OBJECTIVES`: 'ce', 'attention_transfer',
+    'distillation', or two joined by '+' (a plain sum); `loss_chunk` as in `lm_loss`."""
     metrics = {}
     loss = 0.0
     parts = objective.split("+")
     if "ce" in parts:
         metrics["ce"] = next_token_loss(model, tokens, loss_chunk)
         loss = loss + metrics["ce"]
+    if "distillation" in parts:
+        metrics["distillation_kl"] = distillation_loss(model, tokens, loss_chunk)
+        loss = loss + metrics["distillation_kl"]
     if "attention_transfer" in parts:
         metrics["attention_mse"] = attention_transfer_loss(model, tokens)
         loss = loss + metrics["attention_mse"]
