@@ -62,7 +62,7 @@ def distillation_loss(model, tokens: jax.Array, loss_chunk: int | None = None) -
     """Mean KL(teacher ‖ student) of the next-token distributions at every position (fp32); the teacher
     is the original model (`pretrained_attention` in every block, no adapters), its side without a
     gradient; `loss_chunk` as in `lm_loss`."""
-    teacher = jax.lax.stop_gradient(model.hidden_states_under(tokens, _frozen_softmax))
+    teacher = jax.lax.stop_gradient(model.hidden_states_under(tokens, original_attention))
     student = model.hidden_states(tokens)
 
     def piece_kl(s, t):
@@ -73,7 +73,7 @@ def distillation_loss(model, tokens: jax.Array, loss_chunk: int | None = None) -
     return _mean_over_positions(piece_kl, loss_chunk, student, teacher)
 
 
-def _frozen_softmax(mixer, h, positions):
+def original_attention(mixer, h, positions):
     """Attention override: the block's original attention output, without a gradient."""
     return jax.lax.stop_gradient(pretrained_attention(mixer.proj, h, positions))
 
@@ -90,7 +90,7 @@ def attention_transfer_loss(model, tokens: jax.Array) -> jax.Array:
     """Mean over linearized layers of the MSE between their attention output and softmax attention's."""
     positions = token_positions(tokens)
     # The frozen softmax attention, carried in the residual stream.
-    activations = model.attention_activations(tokens, positions, attention=_frozen_softmax)
+    activations = model.attention_activations(tokens, positions, attention=original_attention)
     losses = []
     # The students run as one scan per run of identical layers, so each linearized mixer and its
     # backward compile once per run, not once per layer (SmolLM2's final recipe, first step at 512
