@@ -121,6 +121,17 @@ def model_argument(row):
     return os.path.relpath(run_dir(row), ROOT)
 
 
+def training_texts():
+    """{data.paths as a tuple: its counts} from results/runs/training-data.json (`claims.py data`); {} before."""
+    counted = load_json(TRAINING_DATA) or []
+    return {tuple(counts["paths"]): counts for counts in (counted if isinstance(counted, list) else [counted])}
+
+
+def text_of(row, texts):
+    """The counts of the text `row` trains on (None where it is not counted)."""
+    return texts.get(tuple(config_of(row)["data"]["paths"])) if texts else None
+
+
 def load_json(path):
     if not os.path.exists(path):
         return None

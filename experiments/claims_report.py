@@ -33,29 +33,42 @@ def percent(interval) -> str:
     return f"{100 * point:.1f}% [{100 * low:.1f}%, {100 * high:.1f}%]"
 
 
-def training_columns(row, counts):
+def epochs_of(stage_tokens, texts) -> str:
+    """'as read / of the unique tokens' of [(stage, tokens it trained)]: each stage's passes over its own
+    text, summed (a stage may read another text than the one before it); '—' if one is not counted."""
+    as_read = unique = 0.0
+    for stage, tokens in stage_tokens:
+        counts = data.text_of(stage, texts)
+        if not counts:
+            return "—"
+        # a deduplicated row reads each distinct document once: its epoch is the unique tokens
+        deduplicated = data.config_of(stage)["data"].get("deduplicate")
+        as_read += tokens / counts["unique_tokens" if deduplicated else "tokens_per_epoch"]
+        unique += tokens / counts["unique_tokens"]
+    return f"{as_read:.2f} / {unique:.2f}"
+
+
+def training_columns(row, texts):
     """(trained steps, seed, tokens trained, epochs) of a row's table line; each stage's steps for a
     row trained in stages (1,000 + 1,000), and the step whose parameters a row kept when it keeps its
-    best-validation checkpoint."""
+    best-validation checkpoint. `texts`: `data.training_texts()`."""
     if row in data.UNTRAINED:
         return "—", "—", "—", "—"
-    parts, tokens = [], 0
+    parts, stage_tokens = [], []
     for stage, _, per_step, _ in data.stages(row):
         steps, finished = data.training_state(stage)
-        tokens += steps * per_step
+        stage_tokens.append((stage, steps * per_step))
         parts.append("not started" if not steps else
                      f"{steps:,}" + ("" if finished else f" of {data.planned_steps(stage):,} (training)"))
+    tokens = sum(t for _, t in stage_tokens)
     kept = data.metrics_of(row).get("kept_step")
     seeds = " then ".join(dict.fromkeys(str(seed) for *_, seed in data.stages(row)))
-    # a deduplicated row reads each distinct document once: its epoch is the unique tokens
-    per_epoch = counts and counts["unique_tokens" if data.config_of(row)["data"].get("deduplicate")
-                                  else "tokens_per_epoch"]
-    epochs = "—" if not counts else f"{tokens / per_epoch:.2f} / {tokens / counts['unique_tokens']:.2f}"
+    epochs = epochs_of(stage_tokens, texts)
     trained = " + ".join(parts) + (f" (kept: step {kept:,}, the best validation loss)" if kept else "")
     return trained, seeds, f"{tokens / 1e6:.2f}M", epochs
 
 
-def row_lines(metrics, counts):
+def row_lines(metrics, texts):
     niah_keys = [f"{t}@{n}" for t in data.NIAH_TASKS for n in data.NIAH_LENGTHS]
     lines = ["| row | trained steps | seed | tokens trained | epochs (as read / of the unique tokens) | "
              "train loss (last 100) | WikiText-2 ppl (64 windows) | the same text in 512-token windows | "
@@ -65,7 +78,7 @@ def row_lines(metrics, counts):
              "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(niah_keys) + "---|---|---|"]
     for row, what in data.ROWS.items():
         m = metrics[row]
-        trained, seed, tokens, epochs = training_columns(row, counts)
+        trained, seed, tokens, epochs = training_columns(row, texts)
         lines.append(f"| **{row}**: {what} | {trained} | {seed} | {tokens} | {epochs} | "
                      f"{fmt(m.get('loss_last100'), 3)} | {fmt(m['ppl'])} | {fmt(m['ppl_512'])} | "
                      f"{fmt(m['ppl_whole_file'])} | {fmt(m['lambada_acc'], 1)} | {fmt(m['lambada_ppl'])} | "
@@ -379,7 +392,7 @@ def training_length_lines(metrics):
     return lines
 
 
-def scaling_lines(metrics, counts):
+def scaling_lines(metrics, texts):
     """claims.md's scaling curve: GDN + w56 + s8 (the best windowed row) trained on 0.25, 0.5, 1 and 2M tokens,
     each with its own cosine schedule, with the epochs each is of the training stream; a plot of whole-file
     WikiText-2 perplexity against tokens once two points are measured, between window-only and full attention,
@@ -395,8 +408,7 @@ def scaling_lines(metrics, counts):
         train = data.config_of(row)["train"]
         steps = train["steps"]
         tokens = steps * train["seq_len"] * train.get("batch_size", 1)
-        epochs = ("—" if not counts else
-                  f"{tokens / counts['tokens_per_epoch']:.2f} / {tokens / counts['unique_tokens']:.2f}")
+        epochs = epochs_of([(row, tokens)], texts)
         done, finished = data.training_state(row)
         trained = f"{tokens / 1e6:.2f}M" + ("" if finished else f" (at step {done:,} of {steps:,})")
         m, millions[row] = metrics[row], tokens / 1e6
@@ -546,12 +558,16 @@ def write_readme_block(block, path=README):
 
 def report(readme=README):
     metrics = {row: data.metrics_of(row) for row in data.ROWS}
-    counts = data.load_json(data.TRAINING_DATA)
+    texts = data.training_texts()
+    counts = data.text_of(data.SCALING[0], texts)  # the text every row reads but those that name another
     text = ("not yet counted (`python experiments/claims.py data`)" if not counts else
             f"{counts['documents']:,} documents of which {counts['distinct_documents']:,} are distinct (the "
             f"{counts['documents'] - counts['distinct_documents']:,} repeats are the 281 webtext \"agreement\" "
             f"documents, copies of \"majority\" ones): {counts['tokens_per_epoch'] / 1e6:.2f}M tokens per epoch as "
             f"read (each document and its EOS), {counts['unique_tokens'] / 1e6:.2f}M unique tokens")
+    for other in (t for t in texts.values() if t is not counts):
+        text += (f"; rows whose description says so read {', '.join(other['paths'])}: {other['documents']:,} "
+                 f"documents, {other['unique_tokens'] / 1e6:.2f}M unique tokens")
     lines = ["# The paper's claims on SmolLM2-135M, at this machine's scale", "",
              "Made by `python experiments/claims.py report` from experiments/claims.toml (the rows and claims) and "
              "what each row has measured (the commands are in experiments/claims.py's docstring). The teacher, and "
@@ -565,7 +581,7 @@ def report(readme=README):
              "accuracy (where a claim names no other measure) on Llama-3.1-8B / Qwen3-8B after 10M tokens (2,500 "
              "steps x 4,096); linjax's are WikiText-2 perplexity (lower is better) and LAMBADA accuracy on "
              "SmolLM2-135M.", ""]
-    lines += row_lines(metrics, counts)
+    lines += row_lines(metrics, texts)
     windows = {row: data.per_window(row) for row in data.ROWS}
     shares = gap_shares(windows)
     lines += whole_file_lines(windows, metrics)
@@ -574,7 +590,7 @@ def report(readme=README):
     lines += gap_lines(shares)
     lines += lever_lines(windows, shares)
     lines += training_length_lines(metrics)
-    lines += scaling_lines(metrics, counts)
+    lines += scaling_lines(metrics, texts)
     lines += ablation_lines()
     path = write_text(REPORT, "\n".join(lines) + "\n")
     print(f"wrote {os.path.relpath(path, data.ROOT)}")

@@ -199,25 +199,24 @@ def run_rows(rows, only, jobs, settings, log_dir=RUN_LOGS):
 
 
 def count_training_data():
-    """results/runs/training-data.json: the claims rows' training text (every row reads the same paths)
-    as the data loader reads it: documents, distinct documents, tokens per epoch (each document and its
-    EOS) and the tokens of the distinct documents."""
+    """results/runs/training-data.json: each training text the claims rows read (their distinct
+    data.paths) as the data loader reads it: documents, distinct documents, tokens per epoch (each
+    document and its EOS) and the tokens of the distinct documents."""
     import linjax
     from linjax.files import write_text
     from linjax.train.data import read_documents
 
-    paths = {tuple(data.config_of(row)["data"]["paths"]) for row in data.ROWS if row not in data.UNTRAINED}
-    if len(paths) != 1:
-        sys.exit(f"the claims rows read different training data: {sorted(paths)}")
-    paths = list(paths.pop())
     _, tokenizer = linjax.load("smollm2-135m")
-    documents = read_documents([os.path.join(data.ROOT, p) for p in paths])
-    copies = collections.Counter(documents)
-    tokens = {d: len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in copies}
-    counts = {"paths": paths, "documents": len(documents), "distinct_documents": len(copies),
-              "tokens_per_epoch": sum(tokens[d] for d in documents), "unique_tokens": sum(tokens.values())}
-    path = write_text(data.TRAINING_DATA, json.dumps(counts, indent=2) + "\n")
-    print(f"wrote {os.path.relpath(path, data.ROOT)}: {counts}")
+    texts = []
+    for paths in dict.fromkeys(tuple(data.config_of(row)["data"]["paths"]) for row in data.ROWS
+                               if row not in data.UNTRAINED):
+        documents = read_documents([os.path.join(data.ROOT, p) for p in paths])
+        copies = collections.Counter(documents)
+        tokens = {d: len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in copies}
+        texts.append({"paths": list(paths), "documents": len(documents), "distinct_documents": len(copies),
+                      "tokens_per_epoch": sum(tokens[d] for d in documents), "unique_tokens": sum(tokens.values())})
+    path = write_text(data.TRAINING_DATA, json.dumps(texts, indent=2) + "\n")
+    print(f"wrote {os.path.relpath(path, data.ROOT)}: {texts}")
 
 
 def status():

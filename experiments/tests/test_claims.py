@@ -370,7 +370,8 @@ def test_each_variant_row_is_its_base_with_the_named_changes_only():
 def test_the_scaling_section_lists_every_point_and_plots_from_two(monkeypatch, tmp_path):
     """The scaling curve's table lists its four rows with tokens and epochs; a row still training says
     at which step; the plot is drawn once two finished rows have a whole-file perplexity, and not before."""
-    data = {"tokens_per_epoch": 655_000, "unique_tokens": 470_000}
+    data = {tuple(claims_data.config_of("gdn-w56-s8")["data"]["paths"]): {"tokens_per_epoch": 655_000,
+                                                                          "unique_tokens": 470_000}}
     metrics = {row: {"ppl": None, "ppl_whole_file": None, "lambada_acc": None} for row in claims_data.ROWS}
     monkeypatch.setattr(claims_report, "SCALING_PLOT", str(tmp_path / "scaling.png"))
     state = {"gdn-w56-s8-0.25M": (500, True), "gdn-w56-s8-0.5M": (1000, True), "gdn-w56-s8": (2000, True),
@@ -493,3 +494,16 @@ def test_the_rows_trained_on_a_gpu_come_from_their_runs_histories(monkeypatch, t
     monkeypatch.setattr(claims_data, "ROWS", {"one": "", "two": "", "old-gpu": ""})
     assert claims_report.gpu_sentence().endswith(f"two ({gpu}; float32, the chunked kernel), old-gpu (gpu: 1 x NVIDIA "
                                           "H200; bfloat16, the pallas kernel); every other row on a CPU.")
+
+
+def test_epochs_count_each_stages_passes_over_its_own_text():
+    """A LoRA stage on a larger text after a first stage on the common one: the passes add up per text;
+    a stage whose text is not counted makes the column '—' rather than a figure of the wrong text."""
+    first, second = "gdn-w56-s8-shortconv-identity", "gdn-w56-s8-shortconv-identity-lora-c4-1k"
+    paths = [tuple(claims_data.config_of(row)["data"]["paths"]) for row in (first, second)]
+    assert paths[0] != paths[1]
+    texts = {paths[0]: {"tokens_per_epoch": 1_000_000, "unique_tokens": 500_000},
+             paths[1]: {"tokens_per_epoch": 2_000_000, "unique_tokens": 1_500_000}}
+    assert claims_report.epochs_of([(first, 1_000_000), (second, 500_000)], texts) == "1.25 / 2.33"
+    del texts[paths[1]]
+    assert claims_report.epochs_of([(first, 1_000_000), (second, 500_000)], texts) == "—"
