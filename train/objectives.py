@@ -9,7 +9,8 @@ how well the layers below it do.
 
 Distillation matches the linearized model's next-token distribution to the original model's (the same
 weights on their frozen softmax attention): every position carries the teacher's whole distribution
-instead of one observed token, so a small training text is fitted more slowly.
+instead of one observed token. Nearer the teacher is not lower perplexity: results/claims.md measures a
+LoRA stage trained either way (experiments/teacher_kl.py, both quantities on the same tokens).
 """
 
 from __future__ import annotations
