@@ -45,8 +45,11 @@ def _compiled_forward(graphdef, stacked: bool = False):
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def forward(params, chunk, states):
-        logits, states = nnx.merge(graphdef, unstack_layers(params) if stacked else params)(chunk, states=states)
-        return logits[:, -1].astype(jnp.float32), states
+        model = nnx.merge(graphdef, unstack_layers(params) if stacked else params)
+        hidden, states = model.hidden_states(chunk, states=states)
+        # Only the last position's logits: XLA does not drop the unused rows of the vocabulary
+        # projection (SmolLM2-135M: a fifth of a linearized model's prefill FLOPs).
+        return model.logits(hidden[:, -1]).astype(jnp.float32), states
 
     return forward
 

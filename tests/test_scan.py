@@ -111,6 +111,26 @@ def test_generate_prefills_with_scanned_layers_and_decodes_like_the_loop(setting
     np.testing.assert_array_equal(np.asarray(scanned), np.asarray(reference))
 
 
+def test_prefill_projects_only_the_last_position_onto_the_vocabulary():
+    """`generate` needs the next token's logits only: its compiled forward multiplies one position by the
+    vocabulary matrix, not every position of the piece (XLA keeps unused rows of a matmul)."""
+    generating = importlib.import_module("linjax.generate")
+    model = model_for("pure gdn + shortconv")
+    graphdef, params = nnx.split(model)
+    piece, config = jnp.zeros((1, 64), jnp.int32), model.config
+
+    def flops(forward):
+        return forward.lower(params, piece, model.init_states(1, 64)).compile().cost_analysis()["flops"]
+
+    @jax.jit
+    def every_position(params, chunk, states):
+        logits, states = nnx.merge(graphdef, params)(chunk, states=states)
+        return logits[:, -1], states
+
+    saved = flops(every_position) - flops(generating._compiled_forward(graphdef))
+    assert saved >= 0.9 * 2 * 63 * config.hidden_size * config.vocab_size
+
+
 def test_bad_modes_are_refused():
     model = with_mode(model_for("full attention"), "sometimes")
     with pytest.raises(ValueError, match="scan_layers='sometimes'"):
