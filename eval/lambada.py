@@ -9,7 +9,8 @@ examples of the target's log-likelihood) (its `perplexity` aggregation). tests/t
 both, example by example, against lm-eval's HFLM on the same model exported to PyTorch.
 
 Examples are scored in batches, right-padded to a multiple of `PAD_TO` tokens (a model is causal,
-so a position never sees the padding after it), which bounds the compiled shapes to a handful.
+so a position never sees the padding after it), which bounds the compiled shapes to a handful; only
+the positions that predict a target token are projected onto the vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from linjax import heartbeat
 
 PAD_TO = 64
+TARGETS_TO = 8  # target positions per row, a multiple of this: one compiled shape for nearly every batch
 
 
 def read_texts(data_dir: str, limit: int | None = None) -> list[str]:
@@ -58,19 +60,22 @@ def encode(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 
 def target_scores_function(model):
-    """tokens [B, L] -> (log-probability of tokens 1..L-1, whether each is the greedy choice) [B, L-1],
-    compiled once per shape."""
+    """(tokens [B, L], at [B, K]) -> (log-probability of the token after each position in `at`, whether
+    it is the greedy choice) [B, K], compiled once per shape. Only those K positions are projected onto
+    the vocabulary: the targets are a passage's last few tokens."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def target_scores(state, tokens):
-        logits = nnx.merge(graphdef, state)(tokens[:, :-1]).astype(jnp.float32)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
-        return chosen, jnp.argmax(logits, axis=-1) == tokens[:, 1:]
+    def target_scores(state, tokens, at):
+        model = nnx.merge(graphdef, state)
+        hidden = jnp.take_along_axis(model.hidden_states(tokens[:, :-1]), at[..., None], axis=1)
+        logits = model.logits(hidden).astype(jnp.float32)
+        targets = jnp.take_along_axis(tokens, at + 1, axis=1)
+        chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+        return chosen, jnp.argmax(logits, axis=-1) == targets
 
-    def call(tokens):
-        chosen, greedy = target_scores(state, jnp.asarray(tokens))
+    def call(tokens, at):
+        chosen, greedy = target_scores(state, jnp.asarray(tokens), jnp.asarray(at))
         return np.asarray(chosen, np.float64), np.asarray(greedy)
 
     return call
@@ -87,13 +92,15 @@ def score(model, tokenizer, texts: list[str], batch_size: int = 8, progress: boo
             pairs = [encode(tokenizer, text) for text in texts[start:start + batch_size]]
             longest = max(len(c) + len(t) for c, t in pairs)
             tokens = np.zeros((batch_size, -(-longest // PAD_TO) * PAD_TO), np.int32)  # whole batches: one shape
+            # The positions predicting each target token, padded by repeating a row's last one.
+            at = np.zeros((batch_size, -(-max(len(t) for _, t in pairs) // TARGETS_TO) * TARGETS_TO), np.int32)
             for row, (context, target) in enumerate(pairs):
                 tokens[row, :len(context) + len(target)] = context + target
-            chosen, greedy = scores(tokens)
-            for row, (context, target) in enumerate(pairs):
-                positions = slice(len(context) - 1, len(context) + len(target) - 1)  # predicting each target token
-                results.append({"loglikelihood": float(chosen[row, positions].sum()),
-                                "greedy": bool(greedy[row, positions].all()), "target_tokens": len(target)})
+                at[row] = len(context) + np.minimum(np.arange(at.shape[1]), len(target) - 1) - 1
+            chosen, greedy = scores(tokens, at)
+            for row, (_, target) in enumerate(pairs):
+                results.append({"loglikelihood": float(chosen[row, :len(target)].sum()),
+                                "greedy": bool(greedy[row, :len(target)].all()), "target_tokens": len(target)})
             bar.update(len(pairs))
             heartbeat.progress()
             if on_batch:
