@@ -353,6 +353,11 @@ def from_dict(raw: dict) -> ExperimentConfig:
     if not run_dir.strip():
         raise ValueError("run_dir is empty; name the folder for the run's checkpoints and metrics")
     kwargs: dict[str, Any] = {"run_dir": run_dir}
+    for section in ("linearize", *_SECTIONS):
+        if section in raw and not isinstance(raw[section], dict):
+            hint = f'; e.g. [model] then source = "{raw[section]}"' if section == "model" else ""
+            raise ValueError(f"`{section} = {raw[section]!r}` is a value, not a section: write [{section}] "
+                             f"and its keys on the lines below it{hint}")
     for section, cls in _SECTIONS.items():
         if section in raw:
             kwargs[section] = _build(cls, raw[section], section)

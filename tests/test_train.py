@@ -265,6 +265,14 @@ def test_unknown_keys_are_named(tmp_path):
     path.write_text('run_dir = "x"\n[optimizer]\nlr = 1\n')
     with pytest.raises(ValueError, match="optimizer"):
         load_experiment(str(path))
+    # A section written as a value (`model = "..."` for [model] source = "...") is named as such,
+    # not read character by character as keys.
+    path.write_text('run_dir = "x"\nmodel = "smollm2-135m"\n')
+    with pytest.raises(ValueError, match=r"`model = 'smollm2-135m'` is a value, not a section"):
+        load_experiment(str(path))
+    path.write_text('run_dir = "x"\nlinearize = "gdn"\n')
+    with pytest.raises(ValueError, match=r"\[linearize\]"):
+        load_experiment(str(path))
     good = tmp_path / "good.toml"
     good.write_text('run_dir = "x"\n[data]\npaths = ["a"]\n')
     config = load_experiment(str(good), ["train.lr=1e-3", 'linearize.adapter="lora"', "train.steps=7",
