@@ -603,8 +603,8 @@ def report_text() -> str:
 
 def fresh_lines() -> list[str]:
     """The report's fresh-prompt section: the headline cells on prompts never used in development, each with
-    its Wilson interval, whether it reaches the claim's 0.8 with its whole interval, and trained against
-    training-free prompt by prompt."""
+    its Wilson interval, whether it reaches the claim's 0.8 with its whole interval, trained against
+    training-free and each against window-only, prompt by prompt."""
     lines = ["## The headline cells on fresh prompts", "",
              f"S-NIAH-1, {FRESH_SAMPLES} prompts of seed {FRESH_SEED} per cell (the grid's are seed {SEED}'s, "
              "those the scores were tried on), retention in blocks of 8 (`python experiments/retention.py run "
@@ -635,6 +635,15 @@ def fresh_lines() -> list[str]:
                        "undecided (the interval spans it)")
             lines.append(f"- {label}, S-NIAH-1 at {CLAIM_LENGTH:,} tokens with a {CLAIM_BUDGET}-token cache, "
                          f"{m.text()}, against {CLAIM_ACCURACY}: **{verdict}**")
+    for length in FRESH_LENGTHS:  # retention against no retention at the same total budget
+        for budget in RETAINED:
+            window = Cell("window-only", budget, "niah1", length, FRESH_SEED, FRESH_SAMPLES)
+            for variant in ("final-recall-block8", "trained-recall-block8"):
+                paired = paired_samples_text(VARIANTS[variant][0],
+                                             Cell(variant, budget, "niah1", length, FRESH_SEED, FRESH_SAMPLES),
+                                             "window-only", window)
+                if paired:
+                    lines.append(f"- {budget} tokens, {length:,}: {paired}")
     return lines + [""]
 
 

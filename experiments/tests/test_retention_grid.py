@@ -329,12 +329,32 @@ def test_the_fresh_cells_are_the_headline_cells_on_another_seed_with_more_prompt
     assert "Not run yet: `python experiments/retention.py run --fresh`." in grid.report_text()
 
 
-def write_prose_cell(grid, cell, scores, haystack):
-    """A natural-text cell's JSON as `linjax eval ruler --haystack` writes it, one score per prompt."""
+def test_the_fresh_report_pairs_each_reading_with_window_only(grid):
+    cells = {(c.variant, c.budget, c.length): c for c in grid.fresh_grid()}
+    window = [i < 5 for i in range(100)]
+    free = [i < 3 or 10 <= i < 80 for i in range(100)]  # 3 of window-only's 5, and 70 it misses
+    trained = [i < 85 for i in range(100)]
+    write_prose_cell(grid, cells["window-only", 128, 2048], window)
+    write_prose_cell(grid, cells["final-recall-block8", 128, 2048], free)
+    write_prose_cell(grid, cells["trained-recall-block8", 128, 2048], trained)
+    text = grid.report_text().split("## The headline cells on fresh prompts")[1].split("\n## ")[0]
+    assert "Not run yet" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| 128 | 2,048 |"))
+    assert "5/100" in row and "73/100" in row and "85/100" in row
+    lines = [line for line in text.splitlines() if line.startswith("- 128 tokens, 2,048:")]
+    assert len(lines) == 2 and all("against window-only on the same 100 prompts" in line for line in lines)
+    assert "70 answered by the first only, 2 by the second only" in lines[0]
+    assert "80 answered by the first only, 0 by the second only" in lines[1]
+    assert not any(line.startswith("- 256 tokens") for line in text.splitlines())  # those cells did not run
+
+
+def write_prose_cell(grid, cell, scores, haystack=None):
+    """A cell's JSON as `linjax eval ruler` writes it (with `--haystack` where given), one score per prompt."""
     os.makedirs(grid.CELLS, exist_ok=True)
     with open(cell.path, "w") as f:
         json.dump({"model": grid.VARIANTS[cell.variant][1],
-                   "settings": {"retain_score": "recall", **cell.expected_settings(), "haystack": haystack},
+                   "settings": {"retain_score": "recall", **cell.expected_settings(),
+                                **({"haystack": haystack} if haystack else {})},
                    "results": [{"task": grid.TASKS[cell.task], "length": cell.length, "variant": "v",
                                 "accuracy": sum(scores) / len(scores), "samples": len(scores)}],
                    "samples": [{"depth": i / len(scores), "score": float(s)} for i, s in enumerate(scores)]}, f)
