@@ -471,8 +471,9 @@ def paired_samples_text(name: str, a: Cell, other: str, b: Cell) -> str | None:
     only_a = sum(x and not y for x, y in zip(first, second))
     only_b = sum(y and not x for x, y in zip(first, second))
     p = stats.mcnemar_exact(only_a, only_b)
+    p_text = "p < 0.001" if p < 0.001 else f"p = {p:.3f}" if p < 0.01 else f"p = {p:.2f}"
     return (f"{name} against {other} on the same {len(first)} prompts: {only_a} answered by the first only, "
-            f"{only_b} by the second only; McNemar's exact p = {p:.2f}"
+            f"{only_b} by the second only; McNemar's exact {p_text}"
             + (" (not shown to differ)" if p >= 0.05 else ""))
 
 

@@ -344,7 +344,7 @@ def test_the_fresh_report_pairs_each_reading_with_window_only(grid):
     lines = [line for line in text.splitlines() if line.startswith("- 128 tokens, 2,048:")]
     assert len(lines) == 2 and all("against window-only on the same 100 prompts" in line for line in lines)
     assert "70 answered by the first only, 2 by the second only" in lines[0]
-    assert "80 answered by the first only, 0 by the second only" in lines[1]
+    assert "80 answered by the first only, 0 by the second only; McNemar's exact p < 0.001" in lines[1]
     assert not any(line.startswith("- 256 tokens") for line in text.splitlines())  # those cells did not run
 
 
