@@ -334,9 +334,9 @@ def test_the_fresh_report_pairs_each_reading_with_window_only(grid):
     window = [i < 5 for i in range(100)]
     free = [i < 3 or 10 <= i < 80 for i in range(100)]  # 3 of window-only's 5, and 70 it misses
     trained = [i < 85 for i in range(100)]
-    write_prose_cell(grid, cells["window-only", 128, 2048], window)
-    write_prose_cell(grid, cells["final-recall-block8", 128, 2048], free)
-    write_prose_cell(grid, cells["trained-recall-block8", 128, 2048], trained)
+    write_scored_cell(grid, cells["window-only", 128, 2048], window)
+    write_scored_cell(grid, cells["final-recall-block8", 128, 2048], free)
+    write_scored_cell(grid, cells["trained-recall-block8", 128, 2048], trained)
     text = grid.report_text().split("## The headline cells on fresh prompts")[1].split("\n## ")[0]
     assert "Not run yet" not in text
     row = next(line for line in text.splitlines() if line.startswith("| 128 | 2,048 |"))
@@ -348,7 +348,7 @@ def test_the_fresh_report_pairs_each_reading_with_window_only(grid):
     assert not any(line.startswith("- 256 tokens") for line in text.splitlines())  # those cells did not run
 
 
-def write_prose_cell(grid, cell, scores, haystack=None):
+def write_scored_cell(grid, cell, scores, haystack=None):
     """A cell's JSON as `linjax eval ruler` writes it (with `--haystack` where given), one score per prompt."""
     os.makedirs(grid.CELLS, exist_ok=True)
     with open(cell.path, "w") as f:
@@ -381,9 +381,9 @@ def test_the_prose_cells_put_the_needle_in_wikitext_with_each_score_in_blocks(gr
 
 def test_a_prose_cell_scored_on_the_essays_is_not_the_grids(grid):
     cell = next(c for c in grid.prose_grid() if c.variant == "window-only" and c.length == 1024)
-    write_prose_cell(grid, cell, [True] * 5 + [False] * 45, "/data/ruler/PaulGrahamEssays.json")
+    write_scored_cell(grid, cell, [True] * 5 + [False] * 45, "/data/ruler/PaulGrahamEssays.json")
     assert "haystack" in grid.read_cell(cell) and "not the grid's settings" in grid.read_cell(cell)
-    write_prose_cell(grid, cell, [True] * 5 + [False] * 45, "/x/wikitext/wikitext-2-raw-v1.test.nonblank.raw")
+    write_scored_cell(grid, cell, [True] * 5 + [False] * 45, "/x/wikitext/wikitext-2-raw-v1.test.nonblank.raw")
     assert grid.read_cell(cell).accuracy == pytest.approx(0.1)
 
 
@@ -393,8 +393,8 @@ def test_the_prose_report_pairs_each_score_with_window_only(grid):
     cells = {(c.variant, c.length): c for c in grid.prose_grid()}
     window = [i < 5 for i in range(50)]
     recall = [i < 3 or 10 <= i < 20 for i in range(50)]  # 3 of window-only's 5, and 10 it misses
-    write_prose_cell(grid, cells["window-only", 1024], window, wikitext)
-    write_prose_cell(grid, cells["final-recall-block8", 1024], recall, wikitext)
+    write_scored_cell(grid, cells["window-only", 1024], window, wikitext)
+    write_scored_cell(grid, cells["final-recall-block8", 1024], recall, wikitext)
     text = grid.report_text().split("## S-NIAH-2 in a haystack")[1].split("\n## ")[0]
     assert "Not run yet" not in text
     row = next(line for line in text.splitlines() if line.startswith("| 1,024 |"))
