@@ -21,11 +21,33 @@ def test_subpackages_import_from_their_folders():
 
 
 def test_no_top_level_kernels_convert_train_eval(tmp_path):
+    """linjax installs none of the four names at the top level; other projects may (transformers 5.25
+    and later depends on Hugging Face's `kernels`), so a name found must belong to another distribution."""
     # A fresh interpreter outside the repository, so the checkout itself is not on sys.path.
-    code = ("import importlib.util, linjax.kernels, linjax.convert, linjax.train, linjax.eval;"
-            f"print([n for n in {SUBPACKAGES!r} if importlib.util.find_spec(n) is not None])")
+    code = ("import importlib.metadata, importlib.util, linjax.kernels, linjax.convert, linjax.train, linjax.eval;"
+            "owners = importlib.metadata.packages_distributions();"
+            f"print([n for n in {SUBPACKAGES!r} if importlib.util.find_spec(n) is not None"
+            " and 'linjax' in owners.get(n, ['linjax'])])")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_checkout_kernels_folder_hands_its_name_to_the_installed_package():
+    """From the checkout's root, `kernels` is first this folder; imported under that name it gives the
+    name to Hugging Face's package where one is installed, so transformers loads (it imports
+    `kernels` at load from 5.25 on) and linjax.kernels stays linjax's."""
+    code = ("import importlib.metadata, os, kernels, linjax.kernels.gla as gla;"
+            "from transformers import LlamaConfig; LlamaConfig();"
+            "owners = importlib.metadata.packages_distributions().get('kernels', []);"
+            "print(bool([o for o in owners if o != 'linjax']), os.path.realpath(kernels.__file__),"
+            " os.path.realpath(gla.__file__))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT,  # checkout root on purpose: shadowing
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    installed, top_level, ours = done.stdout.split()
+    checkout = os.path.realpath(os.path.join(ROOT, "kernels", "__init__.py"))
+    assert (top_level != checkout) if installed == "True" else (top_level == checkout)
+    assert ours.endswith(os.path.join("kernels", "gla.py"))  # linjax's GLA, under either name of its folder
 
 
 def test_wheel_holds_only_the_linjax_namespace(tmp_path):

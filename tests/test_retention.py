@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 import linjax
-from kernels import retention
 from linjax.config import tiny_config
 from linjax.convert.checkpoint import load_trained_parameters, save_trained
+from linjax.kernels import retention
 from linjax.layers import Trainable
 from linjax.linearize import with_budget
 from linjax.mixers.linear_retained import by_tokens

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import linjax
-from kernels import retention
+from linjax.kernels import retention
 from tests.test_retention import (
     RETAIN,
     SINKS,
@@ -183,7 +183,7 @@ def test_bad_retain_block_settings_are_refused(changes, match):
 
 
 def test_ruler_reads_a_model_with_retained_blocks(base):
-    from eval.ruler import budget_variants
+    from linjax.eval.ruler import budget_variants
 
     model = linjax.linearize(base, linjax.LinearizeConfig(mechanism="gdn", window=56, sinks=8), seed=0)
     (label, variant), = budget_variants(model, [128], 8, retain=64, retain_block=8).items()
